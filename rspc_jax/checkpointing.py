@@ -1,0 +1,65 @@
+"""Orbax checkpoints of the whole train state (async, rotated, written by all hosts).
+
+Orbax writes each step into a temporary directory and renames it when complete, so
+an interrupted save never replaces or corrupts a finished checkpoint.
+"""
+
+import json
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint does not fit the model/state the current config builds."""
+
+
+class Checkpointer:
+
+    def __init__(self, directory: str, *, max_to_keep: int):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True)
+        self.directory = directory
+        self._manager = ocp.CheckpointManager(directory, options=options)
+
+    def latest_step(self) -> Optional[int]:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Starts an async save; the training loop decides when one is due."""
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+
+    def restore(self, step: int, like_state: Any, expected_meta: dict) -> Any:
+        """Restores into the shapes, dtypes and shardings of `like_state`.
+
+        Raises CheckpointMismatchError naming what differs (model, dataset, a shape).
+        """
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        for key, value in expected_meta.items():
+            if key in meta and meta[key] != value:
+                raise CheckpointMismatchError(
+                    f"checkpoint {self.directory}/{step} was written with {key}={meta[key]!r}, "
+                    f"but the config asks for {key}={value!r}; use another --workdir or "
+                    f"restore the original config")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.directory}/{step} does not match the state this config "
+                f"builds (model {expected_meta.get('model_name')!r}): {e}") from e
+        return restored["state"]
+
+    def wait_until_finished(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,61 @@
+"""Model registry: `create(name, num_classes=..., **overrides)` returns a flax.linen module.
+
+Every registered model follows one contract, which the RSPC step relies on:
+
+* `model.apply(variables, images, train=..., sow_attention=False, ...)` returns logits;
+  `images` are NHWC float arrays.
+* Each backbone block's output (after both residual branches) is sown, in forward
+  order, into `intermediates/block_outputs` of the top-level module.
+* Attention maps (B, heads, N, N) are sown into `intermediates/attention_maps`
+  only when `sow_attention=True`, so training does not pay for them.
+* `model.patch_size` is the pixel size of one token (the default RSPC patch).
+* `model.no_weight_decay_names` lists parameter names excluded from weight decay
+  besides 1-D parameters (DeiT's `no_weight_decay()`).
+"""
+
+import dataclasses
+import difflib
+from typing import Callable
+
+import flax.linen as nn
+
+_REGISTRY: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register(name: str):
+    """Registers a factory `fn(num_classes, **overrides) -> nn.Module` under `name`."""
+
+    def decorator(factory):
+        if name in _REGISTRY:
+            raise ValueError(f"model {name!r} is registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorator
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def create(name: str, *, num_classes: int, **overrides) -> nn.Module:
+    """Builds registered model `name`; unknown names and fields fail listing the valid ones."""
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, _REGISTRY, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(
+            f"unknown model {name!r}.{hint} Registered models: {', '.join(names())}.")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    try:
+        return _REGISTRY[name](num_classes=num_classes, **overrides)
+    except TypeError as e:
+        raise ValueError(f"bad override for model {name!r}: {e}") from e
+
+
+def has_field(model: nn.Module, field: str) -> bool:
+    return field in {f.name for f in dataclasses.fields(model)}
+
+
+# Importing the model modules registers them.
+from rspc_jax.models import vit  # noqa: E402,F401

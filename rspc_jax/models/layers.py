@@ -1,0 +1,112 @@
+"""Building blocks shared by the transformer models (timm semantics, PyTorch names)."""
+
+import functools
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# PyTorch's nn.GELU is the exact erf form; flax's default is the tanh approximation.
+gelu = functools.partial(nn.gelu, approximate=False)
+
+# timm initialises Linear layers with trunc-normal(0.02) and zero bias.
+dense_init = nn.initializers.truncated_normal(stddev=0.02)
+
+
+def torch_default_uniform(fan_in: int):
+    """PyTorch's default Linear/Conv init (kaiming-uniform, a=sqrt(5)): U(-1/sqrt(fan_in), +)."""
+    bound = 1.0 / jnp.sqrt(fan_in)
+    return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+        key, shape, dtype, -bound, bound)
+
+
+class DropPath(nn.Module):
+    """Per-sample stochastic depth (timm `DropPath`): drops the whole residual branch."""
+
+    rate: float
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        if not train or self.rate == 0.0:
+            return x
+        keep = 1.0 - self.rate
+        shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+        mask = jax.random.bernoulli(self.make_rng("dropout"), keep, shape)
+        return jnp.where(mask, x / keep, 0.0).astype(x.dtype)
+
+
+class Mlp(nn.Module):
+    hidden_dim: int
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        out_dim = x.shape[-1]
+        x = nn.Dense(self.hidden_dim, kernel_init=dense_init, name="fc1")(x)
+        x = gelu(x)
+        x = nn.Dropout(self.dropout, deterministic=not train)(x)
+        x = nn.Dense(out_dim, kernel_init=dense_init, name="fc2")(x)
+        return nn.Dropout(self.dropout, deterministic=not train)(x)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection (timm/RVT layout [q; k; v]).
+
+    Returns the output and the post-softmax attention map (B, heads, N, N).
+    """
+
+    num_heads: int
+    qkv_bias: bool = True
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        batch, tokens, dim = x.shape
+        if dim % self.num_heads:
+            raise ValueError(f"width {dim} is not divisible by num_heads {self.num_heads}")
+        head_dim = dim // self.num_heads
+        qkv = nn.Dense(3 * dim, use_bias=self.qkv_bias, kernel_init=dense_init, name="qkv")(x)
+        qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * head_dim**-0.5
+        attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+        attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
+        out = jnp.einsum("bhqk,bkhd->bqhd", attn_dropped, v).reshape(batch, tokens, dim)
+        out = nn.Dense(dim, kernel_init=dense_init, name="proj")(out)
+        return nn.Dropout(self.dropout, deterministic=not train)(out), attn
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x += attn(norm1(x)); x += mlp(norm2(x))."""
+
+    num_heads: int
+    mlp_dim: int
+    drop_path: float = 0.0
+    dropout: float = 0.0
+    layernorm_eps: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        drop_path = DropPath(self.drop_path)
+        y, attn = Attention(self.num_heads, dropout=self.dropout, name="attn")(
+            nn.LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x), train=train)
+        x = x + drop_path(y, train=train)
+        y = Mlp(self.mlp_dim, dropout=self.dropout, name="mlp")(
+            nn.LayerNorm(epsilon=self.layernorm_eps, name="norm2")(x), train=train)
+        x = x + drop_path(y, train=train)
+        return x, attn
+
+
+def sow_block(module: nn.Module, x: jax.Array, attn: Optional[jax.Array], sow_attention: bool):
+    """Records a block's output (and attention on request) under the model's intermediates."""
+    module.sow("intermediates", "block_outputs", x)
+    if sow_attention and attn is not None:
+        module.sow("intermediates", "attention_maps", attn)
+
+
+def drop_path_rates(rate: float, depth: int) -> list[float]:
+    """Linearly increasing stochastic-depth rates, as timm/DeiT/RVT."""
+    if depth == 1:
+        return [0.0]
+    return [rate * i / (depth - 1) for i in range(depth)]

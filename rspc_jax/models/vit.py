@@ -1,0 +1,117 @@
+"""ViT / DeiT (timm `VisionTransformer` semantics), plus small-image variants.
+
+Parameter names follow timm's PyTorch attributes (`patch_embed/proj`, `cls_token`,
+`pos_embed`, `blocks_{i}/{norm1,attn/qkv,attn/proj,norm2,mlp/fc1,mlp/fc2}`, `norm`,
+`fc_norm`, `head`) so that export to a timm state dict is a rename plus layout rules.
+"""
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from rspc_jax.models import layers
+from rspc_jax.models import register
+
+
+class ViT(nn.Module):
+    """Vision transformer classifier.
+
+    Attributes:
+      stem: 'patch' = one conv with kernel = stride = patch_size (ViT/DeiT);
+        'conv' = log2(patch_size) stride-2 3x3 convs (an early-convolution stem,
+        Xiao et al. 2021) that trains far better on tiny images such as the demo.
+      pool: 'token' = final norm then class token (DeiT); 'avg' = mean of patch
+        tokens then `fc_norm` (timm global_pool='avg', no class token).
+    """
+
+    num_classes: int
+    patch_size: int = 16
+    width: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    stem: str = "patch"
+    pool: str = "token"
+    drop_path_rate: float = 0.0
+    dropout: float = 0.0
+    layernorm_eps: float = 1e-6
+
+    no_weight_decay_names = ("pos_embed", "cls_token")
+
+    def _embed(self, images):
+        if self.stem == "patch":
+            return nn.Conv(self.width, (self.patch_size,) * 2, strides=self.patch_size,
+                           padding="VALID", name="patch_embed_proj")(images)
+        if self.stem == "conv":
+            num_convs = int(math.log2(self.patch_size))
+            if 2**num_convs != self.patch_size:
+                raise ValueError(
+                    f"stem='conv' needs a power-of-two patch_size, got {self.patch_size}")
+            x = images
+            for i in range(num_convs):
+                channels = self.width // 2 ** (num_convs - 1 - i)
+                x = nn.Conv(channels, (3, 3), strides=2, padding=((1, 1), (1, 1)),
+                            name=f"stem_conv{i}")(x)
+                if i < num_convs - 1:
+                    x = layers.gelu(x)
+            return x
+        raise ValueError(f"unknown stem {self.stem!r}; use 'patch' or 'conv'")
+
+    @nn.compact
+    def __call__(self, images, *, train: bool, sow_attention: bool = False):
+        height, width = images.shape[1:3]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(
+                f"image size {height}x{width} is not divisible by patch_size "
+                f"{self.patch_size}; pick an image size that is a multiple of it")
+        x = self._embed(images)
+        batch, grid_h, grid_w, _ = x.shape
+        x = x.reshape(batch, grid_h * grid_w, self.width)  # row-major token order
+        if self.pool == "token":
+            cls = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, self.width))
+            x = jnp.concatenate([jnp.broadcast_to(cls, (batch, 1, self.width)), x], axis=1)
+        elif self.pool != "avg":
+            raise ValueError(f"unknown pool {self.pool!r}; use 'token' or 'avg'")
+        pos = self.param("pos_embed", nn.initializers.truncated_normal(0.02),
+                         (1, x.shape[1], self.width))
+        x = nn.Dropout(self.dropout, deterministic=not train)(x + pos)
+
+        mlp_dim = int(self.width * self.mlp_ratio)
+        for i, rate in enumerate(layers.drop_path_rates(self.drop_path_rate, self.depth)):
+            x, attn = layers.Block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
+                                   layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(
+                                       x, train=train)
+            layers.sow_block(self, x, attn, sow_attention)
+
+        if self.pool == "token":
+            x = nn.LayerNorm(epsilon=self.layernorm_eps, name="norm")(x)[:, 0]
+        else:
+            x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(x.mean(axis=1))
+        return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
+
+
+def _variant(width: int, depth: int, num_heads: int, patch_size: int,
+             **defaults) -> callable:
+    def factory(num_classes: int, **overrides) -> ViT:
+        kwargs = dict(width=width, depth=depth, num_heads=num_heads, patch_size=patch_size)
+        kwargs.update(defaults)
+        kwargs.update(overrides)
+        return ViT(num_classes=num_classes, **kwargs)
+
+    return factory
+
+
+# DeiT shapes at 224x224 (Touvron et al. 2021; timm deit_*_patch16_224).
+register("deit_tiny_patch16_224")(_variant(192, 12, 3, 16))
+register("deit_small_patch16_224")(_variant(384, 12, 6, 16))
+register("deit_base_patch16_224")(_variant(768, 12, 12, 16))
+# Small-image variants (e.g. CIFAR at 32x32): same widths, patch size 4 by default,
+# override with `patch_size=...`.
+register("vit_tiny")(_variant(192, 12, 3, 4))
+register("vit_small")(_variant(384, 12, 6, 4))
+register("vit_base")(_variant(768, 12, 12, 4))
+# The embedded demo: a 4-block ViT with a conv stem on 32x32 digits: 4x4 tokens of
+# 8x8 pixels (2x2 original digit pixels), 0.5M params.
+register("vit_demo")(_variant(96, 4, 4, 8, stem="conv", pool="avg"))

@@ -1,0 +1,54 @@
+"""The two optimizers of the RSPC min-max game (optax)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+
+def learning_rate(config, *, batch_size: int, warmup_steps: int, total_steps: int) -> optax.Schedule:
+    """Linear warm-up from `warmup_lr` then cosine to `min_lr`, per step.
+
+    The peak is `lr * batch_size / lr_base_batch` (DeiT's linear scaling rule) for the
+    global `batch_size`.
+    """
+    peak = config.lr * batch_size / config.lr_base_batch
+    warmup = min(warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=config.warmup_lr, peak_value=peak, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=config.min_lr)
+
+
+def weight_decay_mask(params, no_decay_names=()):
+    """timm's param groups: no decay for 1-D params (biases, norms) and named ones."""
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict(
+        {path: leaf.ndim > 1 and path[-1] not in no_decay_names for path, leaf in flat.items()})
+
+
+def classifier_optimizer(config, schedule, params, no_decay_names=()) -> optax.GradientTransformation:
+    """AdamW (timm defaults) with decoupled decay masked off 1-D and named params."""
+    return optax.adamw(schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+                       weight_decay=config.weight_decay,
+                       mask=weight_decay_mask(params, no_decay_names))
+
+
+def negate_finite() -> optax.GradientTransformation:
+    """grad <- -nan_to_num(grad, 0, 0, 0): the official `reverse_grad`, turning SGD into ascent."""
+    return optax.stateless(lambda updates, _: jax.tree.map(
+        lambda g: -jnp.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0), updates))
+
+
+def corruption_optimizer(config) -> optax.GradientTransformation:
+    """Gradient *ascent* for C in the official order.
+
+    clip to global norm -> negate (NaN/Inf -> 0) -> coupled L2 weight decay (torch SGD
+    adds wd * param after the negation, so decay still shrinks C) -> Nesterov momentum
+    SGD at a constant learning rate.
+    """
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        negate_finite(),
+        optax.add_decayed_weights(config.weight_decay),
+        optax.sgd(config.lr, momentum=config.momentum, nesterov=config.nesterov),
+    )

@@ -1,0 +1,197 @@
+"""RSPC core (Guo, Stutz, Schiele, CVPR 2023, Sec. 3 / Algorithm 1), as the official code runs it.
+
+One file, each piece a pure function that can be tested alone:
+
+1. `PatchCorruptionModel` C: conv (kernel = stride = patch, 3->1, no bias) -> exact GELU
+   -> Dense(N->N, no bias) -> one score per patch.
+2. `binarize` (a `jax.custom_vjp` straight-through estimator): per image, keep the
+   patches whose score is strictly above the linear-interpolation rho-quantile, i.e.
+   occlude the floor(rho*(N-1))+1 lowest scores (20 of 196 at rho=0.1). Backward:
+   clip(S * g, -1, 1) (official hardtanh; S emulates the AMP loss scale, see below).
+3. `occlude` (eq. 1): x_hat = clamp(m * x + (1 - m) * delta, lower, upper).
+4. `alignment_loss` (eq. 2 with the official reduction): mean over all backbone
+   blocks of the element-wise mean squared difference between the corrupted and the
+   clean half of one concatenated forward pass; the clean side is not detached.
+5. `rspc_loss`: one forward over [x_hat; x], CE on the clean half only, CE + lam * L_align.
+
+Deviations of the official code from the paper's wording (all defaults follow the code;
+`../shared/reference/rspc-method.md`): the noise is U[0,1) in *normalised* space and
+clamped to the ImageNet-normalised [0,1] range; the loss is a mean, not a sum of
+squares; C ascends the full loss (CE reaches C only through BatchNorm statistics); the
+official C gradient is that of the GradScaler-scaled loss (S = 2**16 at the start of
+training), which the `grad_scale` of the STE emulates.
+"""
+
+import functools
+import math
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from rspc_jax.models import layers
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def num_occluded(num_patches: int, rho: float) -> int:
+    """Patches occluded per image by the official rule (distinct scores): floor(rho*(N-1)) + 1."""
+    return math.floor(rho * (num_patches - 1)) + 1
+
+
+def check_ratio(rho: float) -> None:
+    if not 0.0 < rho < 1.0:
+        raise ValueError(f"occlusion ratio rho must lie in (0, 1), got {rho}; the paper uses 0.1")
+
+
+class PatchCorruptionModel(nn.Module):
+    """The lightweight corruption model C. Its Dense layer is N x N, N read from the input."""
+
+    patch_size: int = 16
+
+    @nn.compact
+    def __call__(self, images):
+        height, width, channels = images.shape[1:]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(f"image size {height}x{width} is not divisible by the RSPC "
+                             f"patch size {self.patch_size}")
+        fan_in = channels * self.patch_size**2
+        x = nn.Conv(1, (self.patch_size,) * 2, strides=self.patch_size, padding="VALID",
+                    use_bias=False, kernel_init=layers.torch_default_uniform(fan_in),
+                    name="patch_embed")(images)
+        x = layers.gelu(x).reshape(images.shape[0], -1)  # row-major patch order
+        num_patches = x.shape[1]
+        return nn.Dense(num_patches, use_bias=False,
+                        kernel_init=layers.torch_default_uniform(num_patches), name="fc")(x)
+
+
+def keep_mask(scores: jax.Array, rho: float) -> jax.Array:
+    """1 = keep, 0 = occlude: scores strictly above the per-image linear rho-quantile."""
+    threshold = jnp.quantile(scores.astype(jnp.float32), rho, axis=1, method="linear",
+                             keepdims=True)
+    return (scores > threshold).astype(scores.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def binarize(scores: jax.Array, rho: float, clip: Optional[float], grad_scale: float):
+    """Straight-through binarisation of patch scores into a keep-mask.
+
+    Backward returns `grad_scale * g`, clipped to [-clip, clip] (official: clip = 1,
+    torch hardtanh); `clip=None` gives the plain identity estimator.
+    """
+    return keep_mask(scores, rho)
+
+
+def _binarize_fwd(scores, rho, clip, grad_scale):
+    return keep_mask(scores, rho), None
+
+
+def _binarize_bwd(rho, clip, grad_scale, _, g):
+    g = g * grad_scale
+    return (g if clip is None else jnp.clip(g, -clip, clip),)
+
+
+binarize.defvjp(_binarize_fwd, _binarize_bwd)
+
+
+def patch_mask_to_pixels(mask: jax.Array, grid: tuple[int, int], patch_size: int) -> jax.Array:
+    """(B, N) per-patch mask -> (B, H, W, 1), each value repeated over its patch (F.fold)."""
+    mask = mask.reshape(mask.shape[0], grid[0], grid[1], 1)
+    return jnp.repeat(jnp.repeat(mask, patch_size, axis=1), patch_size, axis=2)
+
+
+def occlude(images, pixel_keep, noise, lower=None, upper=None):
+    """Eq. 1: keep-mask * image + (1 - mask) * noise, then clamp to [lower, upper] if given."""
+    corrupted = images * pixel_keep + noise * (1.0 - pixel_keep)
+    if lower is None:
+        return corrupted
+    return jnp.clip(corrupted, jnp.asarray(lower, images.dtype), jnp.asarray(upper, images.dtype))
+
+
+def normalized_limits(mean: Sequence[float], std: Sequence[float]):
+    """Per-channel range of [0, 1] pixels after (x - mean) / std."""
+    mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
+    return (0.0 - mean) / std, (1.0 - mean) / std
+
+
+def alignment_loss(block_outputs: Sequence[jax.Array]) -> jax.Array:
+    """Mean over blocks of mean((F_l(x_hat) - F_l(x))**2); each output is [corrupted; clean]."""
+    if not block_outputs:
+        raise ValueError("the model sowed no block outputs; RSPC needs intermediates/block_outputs")
+    per_block = []
+    for features in block_outputs:
+        corrupted, clean = jnp.split(features.astype(jnp.float32), 2, axis=0)
+        per_block.append(jnp.mean(jnp.square(corrupted - clean)))
+    return jnp.mean(jnp.stack(per_block))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean CE against soft targets (B, K) (one-hot, smoothed or mixed)."""
+    return jnp.mean(optax.softmax_cross_entropy(logits.astype(jnp.float32), targets))
+
+
+def uniform_noise(rng: jax.Array, example_ids: jax.Array, image_shape) -> jax.Array:
+    """U[0,1) noise per pixel and channel, keyed by global example index.
+
+    Keying by example (not by device) makes the noise independent of how the global
+    batch is split over devices, so the sharded step equals the single-device step.
+    """
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(rng, i), image_shape))(
+        example_ids)
+
+
+def corrupt_batch(occ_params, images, noise, *, occ_model, rho, ste_clip, grad_scale,
+                  lower, upper, random_scores=None, mask_probe=None):
+    """Builds x_hat = C-selected occlusion of `images`; returns (x_hat, keep-mask (B, N)).
+
+    `random_scores` replaces C's scores (the random-selection ablation, Table 3).
+    `mask_probe` (zeros (B, N)) is added to the mask so that its gradient exposes the
+    gradient reaching the STE (for the saturation diagnostics).
+    """
+    scores = occ_model.apply({"params": occ_params}, images)
+    if random_scores is not None:
+        scores = random_scores
+    mask = binarize(scores, rho, ste_clip, grad_scale)
+    if mask_probe is not None:
+        mask = mask + mask_probe
+    grid = (images.shape[1] // occ_model.patch_size, images.shape[2] // occ_model.patch_size)
+    pixel_keep = patch_mask_to_pixels(mask, grid, occ_model.patch_size).astype(images.dtype)
+    return occlude(images, pixel_keep, noise, lower, upper), mask
+
+
+def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model, occ_model,
+              rho, lam, ste_clip, grad_scale, lower, upper, rngs, align_blocks=None,
+              random_scores=None, mask_probe=None):
+    """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
+
+    BatchNorm statistics (if the model has any) therefore span both halves, as in the
+    official DDP code. Returns (total, aux) with aux holding the parts and new state.
+    """
+    corrupted, mask = corrupt_batch(
+        occ_params, images, noise, occ_model=occ_model, rho=rho, ste_clip=ste_clip,
+        grad_scale=grad_scale, lower=lower, upper=upper, random_scores=random_scores,
+        mask_probe=mask_probe)
+    logits, state = model.apply(
+        {"params": params, "batch_stats": batch_stats}, jnp.concatenate([corrupted, images]),
+        train=True, mutable=["intermediates", "batch_stats"], rngs=rngs)
+    clean_logits = jnp.split(logits, 2)[1]
+    ce = cross_entropy(clean_logits, targets)
+    block_outputs = state["intermediates"]["block_outputs"]
+    if align_blocks is not None:
+        block_outputs = [block_outputs[i] for i in align_blocks]
+    align = alignment_loss(block_outputs)
+    total = ce + lam * align
+    aux = dict(ce=ce, align=align, logits=clean_logits, keep=mask,
+               batch_stats=state.get("batch_stats", {}))
+    return total, aux
+
+
+def plain_loss(params, batch_stats, images, targets, *, model, rngs):
+    """The baseline (rspc.enabled = False): CE on the clean batch through the same loop."""
+    logits, state = model.apply({"params": params, "batch_stats": batch_stats}, images,
+                                train=True, mutable=["batch_stats"], rngs=rngs)
+    ce = cross_entropy(logits, targets)
+    return ce, dict(ce=ce, logits=logits, batch_stats=state.get("batch_stats", {}))

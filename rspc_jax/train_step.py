@@ -1,0 +1,172 @@
+"""Train state, initialisation and the data-parallel RSPC / plain train and eval steps.
+
+Steps are written per device (`jax.shard_map`) with explicit collectives. Replicated
+parameters are `pcast` to device-varying before differentiation: under shard_map's
+default `check_vma=True` the gradient of an invariant input would otherwise come out
+already summed over devices, and the usual `pmean` would make it N times too large.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from rspc_jax import mixup
+from rspc_jax import rspc
+from rspc_jax.parallel import DATA_AXIS
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+    occ_params: Any        # corruption model C ({} when RSPC is off)
+    occ_opt_state: Any
+    ema_params: Any        # {} when EMA is off
+    rng: jax.Array         # base key; the step key is fold_in(rng, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Static settings of the step, resolved from the config once."""
+
+    num_classes: int
+    rspc_enabled: bool
+    rho: float
+    lam: float
+    ste_clip: Any            # float or None (identity STE)
+    occ_grad_scale: float
+    noise_mean: Any          # noise = (u - mean) / std; (0,)/(1,) = normalised-space noise
+    noise_std: Any
+    clamp_lower: Any         # None = no clamp
+    clamp_upper: Any
+    random_selection: bool
+    align_blocks: Any        # None = all blocks
+    label_smoothing: float
+    mixup: Any               # dict of mixup/cutmix settings, None = off
+    ema_decay: float
+
+
+def create_train_state(rng, model: nn.Module, occ_model, image_shape, tx, occ_tx,
+                       ema: bool) -> TrainState:
+    """Initialises every part of the state (jit it with replicated out_shardings)."""
+    model_rng, occ_rng, state_rng = jax.random.split(rng, 3)
+    dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
+    variables = model.init(model_rng, dummy, train=False)
+    params, batch_stats = variables["params"], variables.get("batch_stats", {})
+    occ_params = occ_model.init(occ_rng, dummy)["params"] if occ_model is not None else {}
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+        opt_state=tx.init(params), occ_params=occ_params,
+        occ_opt_state=occ_tx.init(occ_params) if occ_model is not None else {},
+        ema_params=jax.tree.map(jnp.copy, params) if ema else {}, rng=state_rng)
+
+
+def _targets(settings: StepSettings, rng, images, labels):
+    if settings.mixup is None:
+        return images, mixup.one_hot_smoothed(labels, settings.num_classes, settings.label_smoothing)
+    return mixup.mixup_cutmix(rng, images, labels, num_classes=settings.num_classes,
+                              smoothing=settings.label_smoothing, **settings.mixup)
+
+
+def step_keys(state: TrainState):
+    """(noise, dropout, mixup, selection) keys of this step; the first is device-independent."""
+    return jax.random.split(jax.random.fold_in(state.rng, state.step), 4)
+
+
+def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, occ_tx,
+                           schedule: Callable, settings: StepSettings):
+    device = jax.lax.axis_index(DATA_AXIS)
+    images, labels = batch["image"], batch["label"]
+    local_batch = images.shape[0]
+    noise_rng, dropout_rng, mix_rng, select_rng = step_keys(state)
+    images, targets = _targets(settings, jax.random.fold_in(mix_rng, device), images, labels)
+    rngs = {"dropout": jax.random.fold_in(dropout_rng, device)}
+    vary = functools.partial(jax.lax.pcast, axis_name=DATA_AXIS, to="varying")
+
+    if settings.rspc_enabled:
+        example_ids = device * local_batch + jnp.arange(local_batch)
+        uniform = rspc.uniform_noise(noise_rng, example_ids, images.shape[1:])
+        noise = (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+        num_patches = (images.shape[1] // occ_model.patch_size) * (images.shape[2] // occ_model.patch_size)
+        random_scores = None
+        if settings.random_selection:
+            random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
+        probe = vary(jnp.zeros((local_batch, num_patches), jnp.float32))
+        loss_fn = functools.partial(
+            rspc.rspc_loss, model=model, occ_model=occ_model, rho=settings.rho, lam=settings.lam,
+            ste_clip=settings.ste_clip, grad_scale=settings.occ_grad_scale,
+            lower=settings.clamp_lower, upper=settings.clamp_upper, rngs=rngs,
+            align_blocks=settings.align_blocks, random_scores=random_scores)
+
+        def objective(params, occ_params, probe):
+            return loss_fn(params, occ_params, state.batch_stats, images, targets, noise,
+                           mask_probe=probe)
+
+        (loss, aux), (grads, occ_grads, probe_grad) = jax.value_and_grad(
+            objective, argnums=(0, 1, 2), has_aux=True)(
+                vary(state.params), vary(state.occ_params), probe)
+    else:
+        def objective(params):
+            return rspc.plain_loss(params, state.batch_stats, images, targets, model=model, rngs=rngs)
+
+        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(vary(state.params))
+
+    grads = jax.lax.pmean(grads, DATA_AXIS)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(loss=loss, ce=aux["ce"], lr=schedule(state.step), grad_norm=optax.tree.norm(grads),
+                   train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)))
+
+    occ_params, occ_opt_state = state.occ_params, state.occ_opt_state
+    if settings.rspc_enabled:
+        occ_grads = jax.lax.pmean(occ_grads, DATA_AXIS)
+        occ_updates, occ_opt_state = occ_tx.update(occ_grads, occ_opt_state, occ_params)
+        occ_params = optax.apply_updates(occ_params, occ_updates)
+        saturated = jnp.abs(probe_grad * settings.occ_grad_scale) >= (settings.ste_clip or jnp.inf)
+        metrics.update(align=aux["align"], occ_grad_norm=optax.tree.norm(occ_grads),
+                       occluded_fraction=1.0 - jnp.mean(aux["keep"]),
+                       ste_saturated_fraction=jnp.mean(saturated))
+
+    ema_params = state.ema_params
+    if settings.ema_decay > 0:
+        ema_params = jax.tree.map(lambda e, p: settings.ema_decay * e + (1.0 - settings.ema_decay) * p,
+                                  ema_params, params)
+    new_state = state.replace(
+        step=state.step + 1, params=params, opt_state=opt_state,
+        # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
+        batch_stats=jax.lax.pmean(aux["batch_stats"], DATA_AXIS),
+        occ_params=occ_params, occ_opt_state=occ_opt_state, ema_params=ema_params)
+    return new_state, jax.lax.pmean(metrics, DATA_AXIS)
+
+
+def make_train_step(mesh: Mesh, **kwargs):
+    """jit(shard_map(step)): state replicated, batch split over the data axis; state donated."""
+    step = functools.partial(_per_device_train_step, **kwargs)
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=(P(), P()))
+    return jax.jit(sharded, donate_argnums=0)
+
+
+def _per_device_eval_step(params, batch_stats, batch, *, model):
+    logits = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"], train=False)
+    mask = batch["mask"]
+    correct = (jnp.argmax(logits, -1) == batch["label"]) * mask
+    labels = jax.nn.one_hot(batch["label"], logits.shape[-1])
+    ce = optax.softmax_cross_entropy(logits.astype(jnp.float32), labels) * mask
+    sums = dict(correct=correct.sum(), ce=ce.sum(), count=mask.sum())
+    return jax.lax.psum(sums, DATA_AXIS)
+
+
+def make_eval_step(mesh: Mesh, model: nn.Module):
+    """Masked sums over the global batch, so padded examples never count."""
+    step = functools.partial(_per_device_eval_step, model=model)
+    return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)),
+                                 out_specs=P()))

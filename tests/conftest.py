@@ -1,0 +1,54 @@
+"""Shared test fixtures: the reference fixtures' location, a prepared digits data dir."""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "reference" / "fixtures"
+
+
+def fixture_dir(case: str) -> pathlib.Path:
+    path = FIXTURES / case
+    if not path.is_dir():
+        pytest.skip(f"reference fixture {path} is not available")
+    return path
+
+
+@pytest.fixture(scope="session")
+def digits_data_dir(tmp_path_factory) -> str:
+    """The embedded digits dataset, prepared once per session (no network)."""
+    from rspc_jax import input_pipeline
+    data_dir = str(tmp_path_factory.mktemp("tfds"))
+    input_pipeline.get_builder("sklearn_digits", data_dir)
+    return data_dir
+
+
+def smoke_config(data_dir: str, **overrides):
+    """configs/demo.py:smoke with overrides given as dotted keys."""
+    spec = importlib.util.spec_from_file_location("demo_config", REPO / "configs" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    config = demo.get_config("smoke")
+    config.data_dir = data_dir
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, **kwargs):
+    """Runs `python args...` in a fresh process (XLA_FLAGS must be set before JAX starts)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, timeout=timeout,
+                          capture_output=True, text=True, **kwargs)

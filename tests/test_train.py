@@ -1,0 +1,169 @@
+"""The train step and loop: ascent/descent signs, resume, errors, the demo end to end."""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rspc_jax import input_pipeline
+from rspc_jax import models
+from rspc_jax import parallel
+from rspc_jax import rspc
+from rspc_jax import train
+from rspc_jax import train_step as train_step_lib
+from tests.conftest import REPO, run_python, smoke_config
+
+
+def _fixed_batch(config):
+    batches = input_pipeline.train_iterator(
+        dataset=config.dataset, data_dir=config.data_dir, split="train",
+        image_size=config.image_size, local_batch_size=config.batch_size, seed=0,
+        augment="none")
+    return next(batches)
+
+
+def _loss_at(config, parts_model, state, batch, params, occ_params, occ_model, rho=0.1):
+    """RSPC loss parts on `batch` with the step's own noise, without dropout."""
+    noise_rng = train_step_lib.step_keys(state)[0]
+    images = jnp.asarray(batch["image"])
+    noise = rspc.uniform_noise(noise_rng, jnp.arange(images.shape[0]), images.shape[1:])
+    lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
+    targets = jax.nn.one_hot(batch["label"], 10)
+    return rspc.rspc_loss(params, occ_params, state.batch_stats, images, targets, noise,
+                          model=parts_model, occ_model=occ_model, rho=rho, lam=config.rspc.lam,
+                          ste_clip=1.0, grad_scale=config.rspc.occ_grad_scale, lower=lower,
+                          upper=upper, rngs={})
+
+
+def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digits_data_dir):
+    config = smoke_config(digits_data_dir, **{
+        "optimizer.warmup_epochs": 0.0, "rspc.optimizer.weight_decay": 0.0,
+        "rspc.optimizer.lr": 0.05})
+    spec = input_pipeline.dataset_spec(config.dataset)
+    model = train.build_model(config, spec.num_classes)
+    mesh = parallel.create_mesh()
+    parts = train.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
+    state = parts.init(jax.random.PRNGKey(0))
+    batch = _fixed_batch(config)
+    occ_model = rspc.PatchCorruptionModel(model.patch_size)
+    loss_at = functools.partial(_loss_at, config, model, state, batch, occ_model=occ_model)
+
+    before_total, before = loss_at(state.params, state.occ_params)
+    occ_grad = jax.grad(lambda p: loss_at(state.params, p)[0])(state.occ_params)
+    new_state, metrics = parts.train_step(
+        jax.tree.map(jnp.copy, state), parallel.to_global(batch, mesh))
+
+    # The corruption model moves along its (STE) gradient: first-order change > 0 ...
+    delta = jax.tree.map(jnp.subtract, new_state.occ_params, state.occ_params)
+    inner = sum(jnp.vdot(d, g) for d, g in zip(jax.tree.leaves(delta), jax.tree.leaves(occ_grad)))
+    assert inner > 0
+    # ... and the alignment loss, as a function of C's parameters, goes up.
+    _, after_occ = loss_at(state.params, new_state.occ_params)
+    assert after_occ["align"] > before["align"]
+    # The classifier descends: its loss with C fixed goes down.
+    after_total, _ = loss_at(new_state.params, state.occ_params)
+    assert after_total < before_total
+    np.testing.assert_allclose(metrics["loss"], before_total, rtol=1e-5)
+
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(digits_data_dir, tmp_path, capsys):
+    config = smoke_config(digits_data_dir, total_steps=6, checkpoint_every_steps=100,
+                          ema_decay=0.9)
+    full = train.train_and_evaluate(config, str(tmp_path / "full"))
+    first = train.train_and_evaluate(config, str(tmp_path / "resumed"),
+                                     should_stop=lambda step: step == 3)
+    assert first["step"] == 3
+    capsys.readouterr()
+    resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+    assert "Resumed from" in capsys.readouterr().out
+    assert resumed["step"] == 6
+    leaves_full = jax.tree.leaves(full["state"])
+    leaves_resumed = jax.tree.leaves(resumed["state"])
+    assert len(leaves_full) == len(leaves_resumed)
+    for a, b in zip(leaves_full, leaves_resumed):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert full["eval"]["accuracy"] == resumed["eval"]["accuracy"]
+
+
+def _compile_counter():
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *_, **__: events.append(name) if "compile" in name else None)
+    return events
+
+
+@pytest.mark.parametrize("overrides,error,match", [
+    ({"model_name": "deit_smal"}, ValueError, "unknown model 'deit_smal'.*Registered models"),
+    ({"rspc.rho": 1.5}, ValueError, r"ratio rho must lie in \(0, 1\)"),
+    ({"rspc.rho": 0.0}, ValueError, r"ratio rho must lie in \(0, 1\)"),
+    ({"image_size": 30}, ValueError, "image_size 30 is not divisible by the model patch_size 4"),
+    ({"rspc.patch_size": 7}, ValueError, "not divisible by the rspc.patch_size 7"),
+    ({"rspc.noise_space": "raw"}, ValueError, "rspc.noise_space"),
+    ({"model.depth_typo": 3}, ValueError, "bad override for model 'vit_demo'"),
+    ({"dataset": "cifar10"}, input_pipeline.DatasetNotFoundError, "tfds build cifar10"),
+])
+def test_bad_input_fails_before_any_compile(digits_data_dir, tmp_path, overrides, error, match):
+    config = smoke_config(digits_data_dir, **overrides)
+    if overrides.get("dataset") == "cifar10":
+        config.data_dir = str(tmp_path / "empty")
+        config.augment = "cifar"
+    compiles = _compile_counter()
+    with pytest.raises(error, match=match):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not compiles
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_non_finite_loss_stops_with_the_step_and_saves_nothing(digits_data_dir, tmp_path):
+    config = smoke_config(digits_data_dir, **{"optimizer.lr": 1e12, "total_steps": 4,
+                                              "checkpoint_every_steps": 100})
+    with pytest.raises(FloatingPointError, match=r"non-finite loss .* at step \d"):
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+def test_demo_smoke_end_to_end_through_main(digits_data_dir, tmp_path):
+    workdir = tmp_path / "demo"
+    result = run_python(["-m", "rspc_jax.main", "--config=configs/demo.py:smoke",
+                         f"--workdir={workdir}", f"--config.data_dir={digits_data_dir}"],
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Done: 6 steps; test accuracy" in result.stdout
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert any('"eval/accuracy"' in line for line in lines)
+    assert any('"train/align"' in line for line in lines)
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "6"]
+    assert (workdir / "config.json").exists()
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir))
+
+
+def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir, tmp_path):
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "rspc_jax.main", "--config=configs/demo.py:smoke",
+               f"--workdir={workdir}", f"--config.data_dir={digits_data_dir}",
+               "--config.total_steps=100000", "--config.checkpoint_every_steps=100000"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("[train] step 4/"):
+                proc.send_signal(signal.SIGINT)
+                break
+        out = proc.stdout.read()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert "Stopped at step" in out
+    stopped = int(out.split("Stopped at step ")[1].split(":")[0])
+    assert stopped >= 4 and os.listdir(workdir / "checkpoints") == [str(stopped)]
+    result = run_python(command[1:-2] + [f"--config.total_steps={stopped + 2}"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Resumed from {workdir}/checkpoints/{stopped}" in result.stdout
+    assert f"Done: {stopped + 2} steps" in result.stdout
