@@ -181,6 +181,11 @@ def _num_examples(ds: tf.data.Dataset) -> int:
     return int(ds.cardinality())
 
 
+def num_examples(*, dataset: str, data_dir: str | None, split: str) -> int:
+    """Examples in `split` of `dataset` (all hosts together)."""
+    return _num_examples(_encoded_records(get_builder(dataset, data_dir), split))
+
+
 def _deterministic(ds: tf.data.Dataset) -> tf.data.Dataset:
     options = tf.data.Options()
     options.deterministic = True

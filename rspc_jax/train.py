@@ -191,8 +191,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     check_image_size(config, model)
     train_split = config.train_split or spec.train_split
     eval_split = config.eval_split or spec.eval_split
-    builder = input_pipeline.get_builder(config.dataset, config.data_dir)  # clear error if missing
-    num_train = builder.info.splits[train_split].num_examples
+    # Fails with preparation instructions if the dataset is missing.
+    num_train = input_pipeline.num_examples(dataset=config.dataset, data_dir=config.data_dir,
+                                            split=train_split)
     steps_per_epoch = max(num_train // config.batch_size, 1)
     total_steps = config.total_steps or int(config.num_epochs * steps_per_epoch)
     eval_every = config.eval_every_steps or steps_per_epoch

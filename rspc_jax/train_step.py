@@ -3,7 +3,8 @@
 Steps are written per device (`jax.shard_map`) with explicit collectives. Replicated
 parameters are `pcast` to device-varying before differentiation: under shard_map's
 default `check_vma=True` the gradient of an invariant input would otherwise come out
-already summed over devices, and the usual `pmean` would make it N times too large.
+already summed over devices implicitly; we sum it explicitly instead (`psum` of each
+device's share of the global-mean loss).
 """
 
 import dataclasses
@@ -91,6 +92,14 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
     images, targets = _targets(settings, jax.random.fold_in(mix_rng, device), images, labels)
     rngs = {"dropout": jax.random.fold_in(dropout_rng, device)}
     vary = functools.partial(jax.lax.pcast, axis_name=DATA_AXIS, to="varying")
+    # Each device differentiates its share of the *global* mean loss and the gradients
+    # are summed, so the gradient reaching the STE clip is that of the global-batch loss
+    # and the step does not depend on how many devices share the batch.
+    share = 1.0 / jax.lax.psum(1, DATA_AXIS)
+
+    def global_share(loss_and_aux):
+        loss, aux = loss_and_aux
+        return loss * share, (loss, aux)
 
     if settings.rspc_enabled:
         example_ids = device * local_batch + jnp.arange(local_batch)
@@ -108,19 +117,20 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
             align_blocks=settings.align_blocks, random_scores=random_scores)
 
         def objective(params, occ_params, probe):
-            return loss_fn(params, occ_params, state.batch_stats, images, targets, noise,
-                           mask_probe=probe)
+            return global_share(loss_fn(params, occ_params, state.batch_stats, images, targets,
+                                        noise, mask_probe=probe))
 
-        (loss, aux), (grads, occ_grads, probe_grad) = jax.value_and_grad(
+        (_, (loss, aux)), (grads, occ_grads, probe_grad) = jax.value_and_grad(
             objective, argnums=(0, 1, 2), has_aux=True)(
                 vary(state.params), vary(state.occ_params), probe)
     else:
         def objective(params):
-            return rspc.plain_loss(params, state.batch_stats, images, targets, model=model, rngs=rngs)
+            return global_share(rspc.plain_loss(params, state.batch_stats, images, targets,
+                                                model=model, rngs=rngs))
 
-        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(vary(state.params))
+        (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(vary(state.params))
 
-    grads = jax.lax.pmean(grads, DATA_AXIS)
+    grads = jax.lax.psum(grads, DATA_AXIS)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(loss=loss, ce=aux["ce"], lr=schedule(state.step), grad_norm=optax.tree.norm(grads),
@@ -128,7 +138,7 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
 
     occ_params, occ_opt_state = state.occ_params, state.occ_opt_state
     if settings.rspc_enabled:
-        occ_grads = jax.lax.pmean(occ_grads, DATA_AXIS)
+        occ_grads = jax.lax.psum(occ_grads, DATA_AXIS)
         occ_updates, occ_opt_state = occ_tx.update(occ_grads, occ_opt_state, occ_params)
         occ_params = optax.apply_updates(occ_params, occ_updates)
         saturated = jnp.abs(probe_grad * settings.occ_grad_scale) >= (settings.ste_clip or jnp.inf)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rspc_jax import input_pipeline
-from rspc_jax import models
+from rspc_jax import mixup
 from rspc_jax import parallel
 from rspc_jax import rspc
 from rspc_jax import train
@@ -34,7 +34,7 @@ def _loss_at(config, parts_model, state, batch, params, occ_params, occ_model, r
     images = jnp.asarray(batch["image"])
     noise = rspc.uniform_noise(noise_rng, jnp.arange(images.shape[0]), images.shape[1:])
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
-    targets = jax.nn.one_hot(batch["label"], 10)
+    targets = mixup.one_hot_smoothed(batch["label"], 10, config.label_smoothing)
     return rspc.rspc_loss(params, occ_params, state.batch_stats, images, targets, noise,
                           model=parts_model, occ_model=occ_model, rho=rho, lam=config.rspc.lam,
                           ste_clip=1.0, grad_scale=config.rspc.occ_grad_scale, lower=lower,
@@ -44,7 +44,7 @@ def _loss_at(config, parts_model, state, batch, params, occ_params, occ_model, r
 def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digits_data_dir):
     config = smoke_config(digits_data_dir, **{
         "optimizer.warmup_epochs": 0.0, "rspc.optimizer.weight_decay": 0.0,
-        "rspc.optimizer.lr": 0.05})
+        "rspc.optimizer.lr": 0.05, "model.drop_path_rate": 0.0})
     spec = input_pipeline.dataset_spec(config.dataset)
     model = train.build_model(config, spec.num_classes)
     mesh = parallel.create_mesh()
@@ -102,7 +102,7 @@ def _compile_counter():
     ({"model_name": "deit_smal"}, ValueError, "unknown model 'deit_smal'.*Registered models"),
     ({"rspc.rho": 1.5}, ValueError, r"ratio rho must lie in \(0, 1\)"),
     ({"rspc.rho": 0.0}, ValueError, r"ratio rho must lie in \(0, 1\)"),
-    ({"image_size": 30}, ValueError, "image_size 30 is not divisible by the model patch_size 4"),
+    ({"image_size": 30}, ValueError, "image_size 30 is not divisible by the model patch_size 8"),
     ({"rspc.patch_size": 7}, ValueError, "not divisible by the rspc.patch_size 7"),
     ({"rspc.noise_space": "raw"}, ValueError, "rspc.noise_space"),
     ({"model.depth_typo": 3}, ValueError, "bad override for model 'vit_demo'"),
