@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import jax
 import orbax.checkpoint as ocp
+import tensorflow as tf
 
 
 class CheckpointMismatchError(ValueError):
@@ -61,5 +62,5 @@ class Checkpointer:
 
 
 def write_json(path: str, payload: dict) -> None:
-    with open(path, "w") as f:
+    with tf.io.gfile.GFile(path, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True, default=str)

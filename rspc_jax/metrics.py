@@ -12,6 +12,7 @@ from typing import Optional
 
 import jax
 import numpy as np
+import tensorflow as tf
 from clu import metric_writers
 
 
@@ -29,6 +30,15 @@ def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
                 "stopping without saving it (the last checkpoint is intact). Lower the learning "
                 "rate or check the data.")
     return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+
+
+_LEADING = ("loss", "ce", "align", "accuracy", "train_accuracy")
+
+
+def _display_rank(key: str) -> int:
+    """Losses and accuracies first on the console; the rest keep their order."""
+    name = key.split("/", 1)[1]
+    return _LEADING.index(name) if name in _LEADING else len(_LEADING)
 
 
 def _format_duration(seconds: float) -> str:
@@ -71,14 +81,14 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._writer.write_scalars(step, scalars)
-        with open(self.jsonl_path, "a") as f:
+        with tf.io.gfile.GFile(self.jsonl_path, "a") as f:  # local or gs://
             f.write(json.dumps({"step": step, **scalars}) + "\n")
         print(self._console_line(step, scalars, prefix), flush=True)
 
     def _console_line(self, step: int, scalars: dict, prefix: str) -> str:
         pct = 100.0 * step / max(self.total_steps, 1)
         parts = [f"[{prefix}] step {step}/{self.total_steps} ({pct:.0f}%)"]
-        for key, value in scalars.items():
+        for key, value in sorted(scalars.items(), key=lambda kv: _display_rank(kv[0])):
             name = key.split("/", 1)[1]
             if name == "eta_sec":
                 parts.append(f"ETA {_format_duration(value)}")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import tensorflow as tf
 
 from rspc_jax import checkpointing
 from rspc_jax import input_pipeline
@@ -97,7 +98,15 @@ def step_settings(config, spec: input_pipeline.DatasetSpec) -> train_step_lib.St
         noise_mean=noise_mean, noise_std=noise_std, clamp_lower=lower, clamp_upper=upper,
         random_selection=r.selection == "random",
         align_blocks=tuple(r.align_blocks) or None, label_smoothing=config.label_smoothing,
-        mixup=mixup, ema_decay=config.ema_decay)
+        mixup=mixup, ema_decay=config.ema_decay, occ_lr=r.optimizer.lr)
+
+
+def resolve_workdir(workdir: str) -> str:
+    """Creates `workdir`; local paths become absolute (orbax needs that), gs:// stays."""
+    if "://" not in workdir:
+        workdir = os.path.abspath(workdir)
+    tf.io.gfile.makedirs(workdir)
+    return workdir
 
 
 class StopRequest:
@@ -153,7 +162,6 @@ class Parts(NamedTuple):
     init: Callable          # rng -> replicated TrainState
     train_step: Callable    # (state, global batch) -> (state, metrics)
     eval_step: Callable     # (params, batch_stats, global batch) -> masked sums
-    schedule: Callable
 
 
 def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> Parts:
@@ -175,7 +183,7 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     train_step = train_step_lib.make_train_step(
         mesh, model=model, occ_model=occ_model, tx=tx, occ_tx=occ_tx, schedule=schedule,
         settings=step_settings(config, spec))
-    return Parts(init, train_step, train_step_lib.make_eval_step(mesh, model), schedule)
+    return Parts(init, train_step, train_step_lib.make_eval_step(mesh, model))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -202,7 +210,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     parts = build(config, model, spec, mesh, steps_per_epoch, total_steps)
     state = parts.init(jax.random.PRNGKey(config.seed))
 
-    os.makedirs(workdir, exist_ok=True)
+    workdir = resolve_workdir(workdir)
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       max_to_keep=config.keep_checkpoints)
     meta = dict(model_name=config.model_name, dataset=config.dataset,

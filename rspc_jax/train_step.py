@@ -54,6 +54,7 @@ class StepSettings:
     label_smoothing: float
     mixup: Any               # dict of mixup/cutmix settings, None = off
     ema_decay: float
+    occ_lr: float            # constant learning rate of C (logged)
 
 
 def create_train_state(rng, model: nn.Module, occ_model, image_shape, tx, occ_tx,
@@ -142,7 +143,8 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
         occ_updates, occ_opt_state = occ_tx.update(occ_grads, occ_opt_state, occ_params)
         occ_params = optax.apply_updates(occ_params, occ_updates)
         saturated = jnp.abs(probe_grad * settings.occ_grad_scale) >= (settings.ste_clip or jnp.inf)
-        metrics.update(align=aux["align"], occ_grad_norm=optax.tree.norm(occ_grads),
+        metrics.update(align=aux["align"], occ_lr=settings.occ_lr,
+                       occ_grad_norm=optax.tree.norm(occ_grads),
                        occluded_fraction=1.0 - jnp.mean(aux["keep"]),
                        ste_saturated_fraction=jnp.mean(saturated))
 

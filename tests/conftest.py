@@ -44,11 +44,11 @@ def smoke_config(data_dir: str, **overrides):
     return config
 
 
-def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, **kwargs):
+def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cwd=REPO):
     """Runs `python args...` in a fresh process (XLA_FLAGS must be set before JAX starts)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, timeout=timeout,
-                          capture_output=True, text=True, **kwargs)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, timeout=timeout,
+                          capture_output=True, text=True)

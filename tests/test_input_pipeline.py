@@ -22,14 +22,6 @@ def no_network(monkeypatch):
     monkeypatch.setattr(socket, 'create_connection', refuse)
 
 
-@pytest.fixture(scope='session')
-def digits_dir(tmp_path_factory):
-    """One offline preparation of the digits for the whole session."""
-    data_dir = str(tmp_path_factory.mktemp('tfds'))
-    ip.get_builder(DIGITS, data_dir)
-    return data_dir
-
-
 def raw_examples(data_dir, split):
     """(uint8 images (N, 8, 8, 1), int labels) straight from tfds."""
     builder = tfds.builder(DIGITS, data_dir=data_dir)
@@ -81,8 +73,8 @@ def test_digits_builder_prepares_offline(tmp_path, no_network):
         as_keys(expected[..., None], digits.target[1500:]))
 
 
-def test_train_batches_shapes_dtypes_and_normalisation(digits_dir):
-    batch = next(digits_train(digits_dir, image_size=32, augment='digits'))
+def test_train_batches_shapes_dtypes_and_normalisation(digits_data_dir):
+    batch = next(digits_train(digits_data_dir, image_size=32, augment='digits'))
     assert batch['image'].shape == (8, 32, 32, 3)
     assert batch['image'].dtype == np.float32
     assert batch['label'].shape == (8,) and batch['label'].dtype == np.int32
@@ -94,26 +86,26 @@ def test_train_batches_shapes_dtypes_and_normalisation(digits_dir):
     np.testing.assert_array_equal(pixels[..., 0], pixels[..., 2])  # grey->RGB
 
 
-def test_none_augment_is_nearest_upsampling(digits_dir):
-    batch = next(digits_train(digits_dir, image_size=32, augment='none'))
+def test_none_augment_is_nearest_upsampling(digits_data_dir):
+    batch = next(digits_train(digits_data_dir, image_size=32, augment='none'))
     pixels = to_uint8(batch['image'])
     # Every 4x4 block of the 32 px image is one original pixel.
     blocks = pixels.reshape(8, 8, 4, 8, 4, 3)
     assert (blocks == blocks[:, :, :1, :, :1, :]).all()
 
 
-def test_resume_is_bitwise_identical_across_epoch_boundary(digits_dir):
+def test_resume_is_bitwise_identical_across_epoch_boundary(digits_data_dir):
     # 20 examples per epoch and 8 per batch: steps 2 and 5 straddle epochs.
     common = dict(split='train[:20]', augment='digits')
-    advanced = take(digits_train(digits_dir, **common), 6)[3:]
-    resumed = take(digits_train(digits_dir, start_step=3, **common), 3)
+    advanced = take(digits_train(digits_data_dir, **common), 6)[3:]
+    resumed = take(digits_train(digits_data_dir, start_step=3, **common), 3)
     for a, b in zip(advanced, resumed):
         np.testing.assert_array_equal(a['image'], b['image'])
         np.testing.assert_array_equal(a['label'], b['label'])
 
 
-def test_each_epoch_is_a_new_permutation(digits_dir):
-    batches = take(digits_train(digits_dir, split='train[:20]', image_size=8,
+def test_each_epoch_is_a_new_permutation(digits_data_dir):
+    batches = take(digits_train(digits_data_dir, split='train[:20]', image_size=8,
                                 augment='none', local_batch_size=10), 4)
     images = to_uint8(np.concatenate([b['image'] for b in batches]))
     labels = np.concatenate([b['label'] for b in batches])
@@ -123,19 +115,19 @@ def test_each_epoch_is_a_new_permutation(digits_dir):
     assert set(first) == set(second) and first != second
 
 
-def test_seed_determines_order(digits_dir):
+def test_seed_determines_order(digits_data_dir):
     def first_batch(seed):
-        return next(digits_train(digits_dir, seed=seed, augment='none'))
+        return next(digits_train(digits_data_dir, seed=seed, augment='none'))
     a, b, c = first_batch(0), first_batch(0), first_batch(1)
     np.testing.assert_array_equal(a['image'], b['image'])
     np.testing.assert_array_equal(a['label'], b['label'])
     assert not np.array_equal(a['image'], c['image'])
 
 
-def test_train_shards_are_disjoint_per_host(digits_dir):
+def test_train_shards_are_disjoint_per_host(digits_data_dir):
     def host_epoch(process_index):
         batches = take(digits_train(
-            digits_dir, split='train[:40]', image_size=8, augment='none',
+            digits_data_dir, split='train[:40]', image_size=8, augment='none',
             local_batch_size=10, process_index=process_index,
             process_count=2), 2)
         images = to_uint8(np.concatenate([b['image'] for b in batches]))
@@ -145,15 +137,15 @@ def test_train_shards_are_disjoint_per_host(digits_dir):
     host0, host1 = host_epoch(0), host_epoch(1)
     assert len(host0) == len(host1) == 20
     assert not host0 & host1
-    assert host0 | host1 == set(as_keys(*raw_examples(digits_dir,
+    assert host0 | host1 == set(as_keys(*raw_examples(digits_data_dir,
                                                       'train[:40]')))
 
 
-def test_eval_covers_split_exactly_once_over_two_hosts(digits_dir):
+def test_eval_covers_split_exactly_once_over_two_hosts(digits_data_dir):
     seen, counts = [], []
     for process_index in (0, 1):
         batches, num_batches = ip.eval_iterator(
-            dataset=DIGITS, data_dir=digits_dir, split='test', image_size=8,
+            dataset=DIGITS, data_dir=digits_data_dir, split='test', image_size=8,
             local_batch_size=64, process_index=process_index, process_count=2)
         batches = list(batches)
         assert len(batches) == num_batches
@@ -169,13 +161,13 @@ def test_eval_covers_split_exactly_once_over_two_hosts(digits_dir):
     assert counts == [3, 3]  # 149 and 148 examples, 64 per batch
     assert len(seen) == 297
     assert collections.Counter(seen) == collections.Counter(
-        as_keys(*raw_examples(digits_dir, 'test')))
+        as_keys(*raw_examples(digits_data_dir, 'test')))
 
 
-def test_eval_iterable_is_reiterable(digits_dir):
+def test_eval_iterable_is_reiterable(digits_data_dir):
     # process_index/count default to this (single) JAX process.
     batches, num_batches = ip.eval_iterator(
-        dataset=DIGITS, data_dir=digits_dir, split='test', image_size=16,
+        dataset=DIGITS, data_dir=digits_data_dir, split='test', image_size=16,
         local_batch_size=100)
     first, second = list(batches), list(batches)
     assert num_batches == len(first) == len(second) == 3
@@ -247,12 +239,12 @@ def test_specs():
     assert ip.dataset_spec(DIGITS).image_size == 32
 
 
-def test_unknown_names_raise_value_error_listing_choices(digits_dir):
+def test_unknown_names_raise_value_error_listing_choices(digits_data_dir):
     with pytest.raises(ValueError) as error:
         ip.dataset_spec('mnist')
     for name in ('sklearn_digits', 'cifar10', 'cifar100', 'imagenet2012'):
         assert name in str(error.value)
     with pytest.raises(ValueError) as error:
-        digits_train(digits_dir, augment='autoaugment')
+        digits_train(digits_data_dir, augment='autoaugment')
     for name in ('digits', 'cifar', 'imagenet', 'none'):
         assert repr(name) in str(error.value)

@@ -130,9 +130,9 @@ def test_non_finite_loss_stops_with_the_step_and_saves_nothing(digits_data_dir, 
 
 def test_demo_smoke_end_to_end_through_main(digits_data_dir, tmp_path):
     workdir = tmp_path / "demo"
-    result = run_python(["-m", "rspc_jax.main", "--config=configs/demo.py:smoke",
-                         f"--workdir={workdir}", f"--config.data_dir={digits_data_dir}"],
-                        timeout=300)
+    result = run_python(["-m", "rspc_jax.main", f"--config={REPO}/configs/demo.py:smoke",
+                         "--workdir=demo", f"--config.data_dir={digits_data_dir}"],
+                        timeout=300, cwd=tmp_path)  # a relative workdir, as in the README
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Done: 6 steps; test accuracy" in result.stdout
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
