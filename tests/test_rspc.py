@@ -118,3 +118,21 @@ def test_bad_ratio_and_patch_size_are_rejected():
     occ = rspc.PatchCorruptionModel(patch_size=5)
     with pytest.raises(ValueError, match="not divisible"):
         occ.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
+
+
+def test_random_selection_ignores_the_corruption_model():
+    occ = rspc.PatchCorruptionModel(patch_size=4)
+    images = jax.random.normal(jax.random.PRNGKey(0), (3, 16, 16, 3))
+    noise = jax.random.uniform(jax.random.PRNGKey(1), images.shape)
+    params = occ.init(jax.random.PRNGKey(2), images)["params"]
+    random_scores = jax.random.uniform(jax.random.PRNGKey(3), (3, 16))
+
+    def objective(p):
+        corrupted, mask = rspc.corrupt_batch(p, images, noise, occ_model=occ, rho=0.25, ste_clip=1.0,
+                                             grad_scale=1.0, lower=None, upper=None,
+                                             random_scores=random_scores)
+        return jnp.sum(corrupted ** 2), mask
+
+    grads, mask = jax.grad(objective, has_aux=True)(params)
+    assert all(not np.any(g) for g in jax.tree.leaves(grads))
+    np.testing.assert_array_equal(mask, rspc.keep_mask(random_scores, 0.25))

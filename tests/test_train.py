@@ -167,3 +167,21 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir,
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"Resumed from {workdir}/checkpoints/{stopped}" in result.stdout
     assert f"Done: {stopped + 2} steps" in result.stdout
+
+
+def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data_dir):
+    spec = input_pipeline.dataset_spec("sklearn_digits")
+    official = train.step_settings(smoke_config(digits_data_dir), spec)
+    assert official.noise_mean == (0.0,) and official.noise_std == (1.0,)  # U[0,1) as normalised values
+    lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
+    np.testing.assert_allclose(official.clamp_lower, lower)  # ImageNet limits even off ImageNet
+    np.testing.assert_allclose(official.clamp_upper, upper)
+    pixel = train.step_settings(smoke_config(digits_data_dir, **{
+        "rspc.noise_space": "pixel", "rspc.clamp": "dataset"}), spec)
+    # Pixel-space U[0,1) noise, normalised with the dataset's statistics.
+    assert pixel.noise_mean == spec.mean and pixel.noise_std == spec.std
+    np.testing.assert_allclose(pixel.clamp_lower, (0 - np.array(spec.mean)) / spec.std, rtol=1e-6)
+    unclamped = train.step_settings(smoke_config(digits_data_dir, **{"rspc.clamp": "none"}), spec)
+    assert unclamped.clamp_lower is None and unclamped.clamp_upper is None
+    identity = train.step_settings(smoke_config(digits_data_dir, **{"rspc.ste": "identity"}), spec)
+    assert identity.ste_clip is None and official.ste_clip == 1.0
