@@ -21,6 +21,15 @@ def torch_default_uniform(fan_in: int):
         key, shape, dtype, -bound, bound)
 
 
+def linear_init(fan_in: int, torch_init: bool) -> dict:
+    """Dense/Conv initialiser kwargs: timm's (trunc-normal(0.02), zero bias) or PyTorch's
+    defaults for kernel and bias (models such as RVT that never re-initialise them)."""
+    if not torch_init:
+        return {"kernel_init": dense_init}
+    init = torch_default_uniform(fan_in)
+    return {"kernel_init": init, "bias_init": init}
+
+
 class DropPath(nn.Module):
     """Per-sample stochastic depth (timm `DropPath`): drops the whole residual branch."""
 
@@ -39,14 +48,15 @@ class DropPath(nn.Module):
 class Mlp(nn.Module):
     hidden_dim: int
     dropout: float = 0.0
+    torch_init: bool = False
 
     @nn.compact
     def __call__(self, x, *, train: bool):
         out_dim = x.shape[-1]
-        x = nn.Dense(self.hidden_dim, kernel_init=dense_init, name="fc1")(x)
+        x = nn.Dense(self.hidden_dim, **linear_init(out_dim, self.torch_init), name="fc1")(x)
         x = gelu(x)
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
-        x = nn.Dense(out_dim, kernel_init=dense_init, name="fc2")(x)
+        x = nn.Dense(out_dim, **linear_init(self.hidden_dim, self.torch_init), name="fc2")(x)
         return nn.Dropout(self.dropout, deterministic=not train)(x)
 
 
@@ -54,11 +64,16 @@ class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (timm/RVT layout [q; k; v]).
 
     Returns the output and the post-softmax attention map (B, heads, N, N).
+    `att_mask_tokens` = N adds RVT*'s position-aware attention scaling (PAAS): a learned
+    `att_mask` (heads, N, N) whose sigmoid multiplies the scaled logits before the softmax;
+    it pins the token count to N.
     """
 
     num_heads: int
     qkv_bias: bool = True
     dropout: float = 0.0
+    att_mask_tokens: Optional[int] = None
+    torch_init: bool = False
 
     @nn.compact
     def __call__(self, x, *, train: bool):
@@ -66,15 +81,25 @@ class Attention(nn.Module):
         if dim % self.num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads {self.num_heads}")
         head_dim = dim // self.num_heads
-        qkv = nn.Dense(3 * dim, use_bias=self.qkv_bias, kernel_init=dense_init, name="qkv")(x)
+        init = linear_init(dim, self.torch_init)
+        qkv = nn.Dense(3 * dim, use_bias=self.qkv_bias, **init, name="qkv")(x)
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * head_dim**-0.5
+        if self.att_mask_tokens is not None:
+            logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn_dropped, v).reshape(batch, tokens, dim)
-        out = nn.Dense(dim, kernel_init=dense_init, name="proj")(out)
+        out = nn.Dense(dim, **init, name="proj")(out)
         return nn.Dropout(self.dropout, deterministic=not train)(out), attn
+
+    def _att_mask(self, tokens: int) -> jax.Array:
+        if tokens != self.att_mask_tokens:
+            raise ValueError(f"PAAS att_mask is fixed to {self.att_mask_tokens} tokens, the input "
+                             f"has {tokens}")
+        return self.param("att_mask", dense_init,
+                          (self.num_heads, self.att_mask_tokens, self.att_mask_tokens))
 
 
 class Block(nn.Module):
@@ -105,8 +130,11 @@ def sow_block(module: nn.Module, x: jax.Array, attn: Optional[jax.Array], sow_at
         module.sow("intermediates", "attention_maps", attn)
 
 
-def drop_path_rates(rate: float, depth: int) -> list[float]:
-    """Linearly increasing stochastic-depth rates, as timm/DeiT/RVT."""
+def drop_path_rates(rate: float, depth: int, endpoint: bool = True) -> list[float]:
+    """Linearly increasing stochastic-depth rates from 0: up to `rate` (timm/DeiT), or
+    with `endpoint=False` rate * i / depth, never reaching `rate` (RVT)."""
+    if not endpoint:
+        return [rate * i / depth for i in range(depth)]
     if depth == 1:
         return [0.0]
     return [rate * i / (depth - 1) for i in range(depth)]
