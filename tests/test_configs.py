@@ -5,8 +5,10 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from flax import traverse_util
 
 from rspc_jax import input_pipeline
 from rspc_jax import train
@@ -14,7 +16,7 @@ from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 VARIANTS = {"demo.py": [None, "plain", "smoke"], "cifar10_vit_s.py": [None, "plain", "smoke"],
-            "deit_s_imagenet.py": [None, "plain"]}
+            "deit_s_imagenet.py": [None, "plain"], "rvt_b.py": [None, "plain", "smoke"]}
 
 
 def load(path: pathlib.Path, arg=None):
@@ -54,3 +56,15 @@ def test_cifar_smoke_trains_with_mixup_and_ema_on_mock_data(tmp_path):
     assert result["step"] == 4
     assert 0.0 <= result["eval"]["accuracy"] <= 1.0
     assert 0.0 <= result["eval_ema"]["accuracy"] <= 1.0
+
+
+def test_rvt_smoke_trains_with_batchnorm_and_paas(digits_data_dir, tmp_path):
+    _, config = load(REPO / "configs" / "rvt_b.py", "smoke")
+    config.data_dir = digits_data_dir
+    result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert result["step"] == 3
+    stats = traverse_util.flatten_dict(result["state"].batch_stats)
+    assert stats and all(np.all(np.isfinite(v)) for v in stats.values())
+    # Every running mean moved away from its zero initialisation during training.
+    means = [v for path, v in stats.items() if path[-1] == "mean"]
+    assert means and all(np.any(np.asarray(m) != 0) for m in means)
