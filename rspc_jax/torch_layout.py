@@ -13,10 +13,13 @@ follows from the leaf kind (`architectures.md` §5.1):
 """
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable
 
 import flax
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -106,3 +109,21 @@ def to_flax(state_dict: dict[str, np.ndarray], targets: dict[str, Target],
     flat = {(t.collection,) + t.path: jnp.asarray(t.rule(np.asarray(state_dict[k])), dtype)
             for k, t in targets.items()}
     return flax.traverse_util.unflatten_dict(flat)
+
+
+def model_targets(model: nn.Module, image_size: int = 224) -> dict[str, Target]:
+    """The official PyTorch key of every parameter and BatchNorm statistic of `model`."""
+    images = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+    abstract = jax.eval_shape(functools.partial(model.init, train=False),
+                              jax.random.PRNGKey(0), images)
+    return targets_from_flax({c: abstract[c] for c in ("params", "batch_stats") if c in abstract})
+
+
+def variables_from_torch(state_dict: dict[str, np.ndarray], model: nn.Module,
+                         image_size: int = 224) -> dict:
+    """Official state dict (numpy, PyTorch keys and layouts) -> {'params', 'batch_stats'}.
+
+    Strict: a ValueError lists every missing, unexpected and wrongly shaped key
+    (`num_batches_tracked` is accepted and dropped).
+    """
+    return to_flax(state_dict, model_targets(model, image_size))

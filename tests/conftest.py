@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -17,6 +18,19 @@ def fixture_dir(case: str) -> pathlib.Path:
     if not path.is_dir():
         pytest.skip(f"reference fixture {path} is not available")
     return path
+
+
+def assert_close(ours, ref, tol: float, name: str) -> None:
+    """Parity check against a reference array: same shape, max abs error <= tol."""
+    ref = np.asarray(ref)
+    assert np.shape(ours) == ref.shape, f"{name}: shape {np.shape(ours)} != {ref.shape}"
+    err = float(np.max(np.abs(np.asarray(ours, np.float64) - ref)))
+    assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def activation_tol(ref) -> float:
+    """The fixtures' tolerance for activations: 1e-4 * max(1, max |ref|)."""
+    return 1e-4 * max(1.0, float(np.abs(ref).max()))
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from rspc_jax import models
 from rspc_jax import rspc
 from rspc_jax import torch_layout
 from rspc_jax.models import rvt
-from tests.conftest import FIXTURES, fixture_dir
+from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir
 
 VARIANTS = ("rvt_tiny", "rvt_tiny_plus", "rvt_small", "rvt_small_plus", "rvt_base",
             "rvt_base_plus")
@@ -53,20 +53,15 @@ def _at(tree, path):
     return tree
 
 
-def _assert_close(ours, ref, tol: float, name: str) -> None:
-    err = float(np.max(np.abs(np.asarray(ours, np.float64) - ref)))
-    assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g}"
 
 
-def _activation_tol(ref) -> float:
-    return 1e-4 * max(1.0, float(np.abs(ref).max()))
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_full_size_parameter_count_and_official_keys(name):
     manifest = _torch_keys(name)
     params_json = json.loads((FIXTURES.parent / "torch_keys" / "params.json").read_text())
-    targets = rvt.torch_targets(models.create(name, num_classes=1000))
+    targets = torch_layout.model_targets(models.create(name, num_classes=1000))
     count = sum(int(np.prod(t.shape)) for t in targets.values() if t.collection == "params")
     assert count == params_json["models"][name]["num_parameters"] == manifest["num_parameters"]
     # Every official key and shape has exactly one flax counterpart.
@@ -79,7 +74,7 @@ def test_converter_lists_missing_unexpected_and_misshaped_keys():
     state["pos_embed"] = np.zeros((1, 196, 192), np.float32)
     state["pools.0.conv.weight"] = np.zeros((384, 2, 3, 3), np.float32)
     with pytest.raises(ValueError) as error:
-        rvt.variables_from_torch(state, models.create("rvt_tiny_plus", num_classes=1000))
+        torch_layout.variables_from_torch(state, models.create("rvt_tiny_plus", num_classes=1000))
     message = str(error.value)
     for part in ("missing (1): transformers.1.blocks.0.mlp.bn2.running_var",
                  "unexpected (1): pos_embed", "pools.0.conv.weight: (384, 2, 3, 3)"):
@@ -91,7 +86,7 @@ def test_reduced_fixture_eval_parity(case):
     path = fixture_dir(case)
     config = json.loads((path / "config.json").read_text())
     model = _model_from_official(config["constructor"]["kwargs"])
-    variables = rvt.variables_from_torch(dict(np.load(path / "state_dict.npz")), model)
+    variables = torch_layout.variables_from_torch(dict(np.load(path / "state_dict.npz")), model)
     ref = np.load(path / "outputs.npz")
     debug = {"patch_embed": "stem", "pools_0": "pool_00", "norm": "features"}
     forward = jax.jit(functools.partial(
@@ -99,18 +94,18 @@ def test_reduced_fixture_eval_parity(case):
         capture_intermediates=lambda m, _: m.name in debug))
     with jax.default_matmul_precision("highest"):
         logits, state = forward(variables, np.load(path / "inputs.npz")["x_nhwc"])
-    _assert_close(logits, ref["logits"], 1e-4, "logits")
+    assert_close(logits, ref["logits"], 1e-4, "logits")
     blocks = state["intermediates"]["block_outputs"]
     assert [f"block_{i:02d}" for i in range(len(blocks))] == list(config["block_modules"])
     for i, tokens in enumerate(blocks):
         key = f"block_{i:02d}"
         assert tokens.shape == ref[key].shape
-        _assert_close(tokens, ref[key], _activation_tol(ref[key]), key)
+        assert_close(tokens, ref[key], activation_tol(ref[key]), key)
     for module, key in debug.items():
         if key in ref:
             ours = state["intermediates"][module]["__call__"][0]
             ours = ours.transpose(0, 3, 1, 2) if ours.ndim == 4 else ours  # NHWC -> NCHW
-            _assert_close(ours, ref[key], _activation_tol(ref[key]), key)
+            assert_close(ours, ref[key], activation_tol(ref[key]), key)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +114,7 @@ def rspc_step():
     path = fixture_dir("rspc_loss_rvt")
     config = json.loads((path / "config.json").read_text())
     model = _model_from_official(config["classifier"]["kwargs"])
-    targets = rvt.torch_targets(model)
+    targets = torch_layout.model_targets(model)
     variables = torch_layout.to_flax(dict(np.load(path / "state_dict.npz")), targets)
     rho, _, patch_size, _ = config["occlusion_model"]["args"]
     occ = rspc.PatchCorruptionModel(patch_size=patch_size)
@@ -189,34 +184,34 @@ def _scaled_occlusion_grads(occ_params, images, mask_grad, *, occ_model, rho, sc
 
 def test_rspc_fixture_corruption_and_train_forward(rspc_step):
     ref, forward = rspc_step["ref"], rspc_step["forward"]
-    _assert_close(forward["scores"], ref["patch_scores"], _activation_tol(ref["patch_scores"]),
+    assert_close(forward["scores"], ref["patch_scores"], activation_tol(ref["patch_scores"]),
                   "patch_scores")
     np.testing.assert_array_equal(forward["keep"], ref["patch_mask"])
-    _assert_close(forward["corrupted"].transpose(0, 3, 1, 2), ref["corrupted"], 1e-6, "corrupted")
+    assert_close(forward["corrupted"].transpose(0, 3, 1, 2), ref["corrupted"], 1e-6, "corrupted")
     corrupted_logits, clean_logits = jnp.split(forward["logits"], 2)
-    _assert_close(corrupted_logits, ref["logits_corrupted"], 1e-4, "logits_corrupted")
-    _assert_close(clean_logits, ref["logits_clean"], 1e-4, "logits_clean")
+    assert_close(corrupted_logits, ref["logits_corrupted"], 1e-4, "logits_corrupted")
+    assert_close(clean_logits, ref["logits_clean"], 1e-4, "logits_clean")
     blocks = forward["blocks"]
     assert len(blocks) == len(rspc_step["config"]["block_modules"])
     for i, tokens in enumerate(blocks):
         key = f"train_block_{i:02d}"
-        _assert_close(tokens, ref[key], _activation_tol(ref[key]), key)
+        assert_close(tokens, ref[key], activation_tol(ref[key]), key)
         corrupted, clean = np.split(np.asarray(tokens, np.float64), 2)
         key = f"recon_loss_block_{i:02d}"
-        _assert_close(np.mean((corrupted - clean) ** 2), ref[key], 1e-5 * max(1, ref[key]), key)
+        assert_close(np.mean((corrupted - clean) ** 2), ref[key], 1e-5 * max(1, ref[key]), key)
 
 
 def test_rspc_fixture_losses(rspc_step):
     ref, result = rspc_step["ref"], rspc_step["grads"]
     num_blocks = len(rspc_step["forward"]["blocks"])
-    _assert_close(result["aux"]["ce"], ref["loss_ce"], 1e-5 * max(1, ref["loss_ce"]), "loss_ce")
+    assert_close(result["aux"]["ce"], ref["loss_ce"], 1e-5 * max(1, ref["loss_ce"]), "loss_ce")
     # The official FeatureAlignmentLoss divides the sum by n_blocks + 1e-4, rspc.alignment_loss
     # by n_blocks: relative 1e-4 / (n + 1e-4) (3.3e-5 here, 3.5e-5 absolute, above the 1.06e-5
     # tolerance), so compare the official definition. In loss_total it is lam times smaller.
     official_align = result["aux"]["align"] * num_blocks / (num_blocks + 1e-4)
-    _assert_close(official_align, ref["loss_align"], 1e-5 * max(1, ref["loss_align"]),
+    assert_close(official_align, ref["loss_align"], 1e-5 * max(1, ref["loss_align"]),
                   "loss_align")
-    _assert_close(result["total"], ref["loss_total"], 1e-5 * max(1, ref["loss_total"]),
+    assert_close(result["total"], ref["loss_total"], 1e-5 * max(1, ref["loss_total"]),
                   "loss_total")
 
 
@@ -225,15 +220,15 @@ def test_rspc_fixture_gradients(rspc_step):
     for name in rspc_step["config"]["grad_params"]:
         target = rspc_step["targets"][name]
         expected = target.rule(ref[f"grad/{name}"])
-        _assert_close(_at(result["params"], target.path), expected,
+        assert_close(_at(result["params"], target.path), expected,
                       1e-4 * np.abs(expected).max(), f"grad/{name}")
     for name, target in rspc_step["occ_targets"].items():
         expected = target.rule(ref[f"occlusion_grad/{name}"])
-        _assert_close(_at(result["occ"], target.path), expected,
+        assert_close(_at(result["occ"], target.path), expected,
                       1e-4 * np.abs(expected).max(), f"occlusion_grad/{name}")
     grad_mask = ref["grad_patch_mask"]
-    _assert_close(result["mask"], grad_mask, 1e-4 * np.abs(grad_mask).max(), "grad_patch_mask")
-    _assert_close(np.clip(result["mask"], -1, 1), ref["grad_scores"],
+    assert_close(result["mask"], grad_mask, 1e-4 * np.abs(grad_mask).max(), "grad_patch_mask")
+    assert_close(np.clip(result["mask"], -1, 1), ref["grad_scores"],
                   1e-4 * np.abs(ref["grad_scores"]).max(), "grad_scores")
 
 
@@ -242,11 +237,11 @@ def test_rspc_fixture_loss_scaled_occlusion_gradients(rspc_step):
     ref, scale, result = rspc_step["ref"], rspc_step["scale"], rspc_step["grads"]
     for name, target in rspc_step["occ_targets"].items():
         expected = target.rule(ref[f"occlusion_grad_scaled/{name}"])
-        _assert_close(_at(result["occ_scaled"], target.path), expected,
+        assert_close(_at(result["occ_scaled"], target.path), expected,
                       1e-4 * np.abs(expected).max(), f"occlusion_grad_scaled/{name}")
     scaled = scale * np.asarray(result["mask"])
     expected = ref["grad_patch_mask_scaled"]
-    _assert_close(scaled, expected, 1e-4 * np.abs(expected).max(), "grad_patch_mask_scaled")
+    assert_close(scaled, expected, 1e-4 * np.abs(expected).max(), "grad_patch_mask_scaled")
     np.testing.assert_array_equal(np.clip(scaled, -1, 1), ref["grad_scores_scaled"])
 
 
@@ -270,7 +265,7 @@ def test_rspc_fixture_batchnorm_statistics(rspc_step):
             normalised = _at(bn_outputs, target.path[:-1])["__call__"][0]
             count = normalised.size // normalised.shape[-1]
             ours = _torch_running_var(np.asarray(_at(before, target.path)), ours, count)
-        _assert_close(ours, expected, _activation_tol(expected), f"bn_after/{name}")
+        assert_close(ours, expected, activation_tol(expected), f"bn_after/{name}")
         checked += 1
     assert checked == sum(k.startswith("bn_after/") and not k.endswith("num_batches_tracked")
                           for k in ref.files)

@@ -30,6 +30,12 @@ def linear_init(fan_in: int, torch_init: bool) -> dict:
     return {"kernel_init": init, "bias_init": init}
 
 
+def batch_norm(train: bool, axis_name: Optional[str], name: str) -> nn.BatchNorm:
+    """PyTorch BatchNorm2d defaults (momentum 0.1, eps 1e-5) in flax's convention."""
+    return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                        axis_name=axis_name, name=name)
+
+
 class DropPath(nn.Module):
     """Per-sample stochastic depth (timm `DropPath`): drops the whole residual branch."""
 

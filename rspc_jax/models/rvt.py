@@ -9,19 +9,14 @@ the leading `masked_block` blocks of stage 0; it is tied to 14x14 tokens (224x22
 
 Flax names mirror the PyTorch attributes with `_<i>` for list indices (`patch_embed/proj_0`,
 `transformers_0/blocks_0/attn/qkv`, `pools_0/conv`, `norm`, `head`), so importing an
-official state dict is `torch_layout`'s mechanical rename. Linear and conv layers keep
+official state dict is a mechanical rename (`torch_layout.variables_from_torch`). Linear and conv layers keep
 PyTorch's default init, as the official model does (it only re-initialises LayerNorm).
 """
 
-import functools
 from typing import Optional
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
 
-from rspc_jax import torch_layout
 from rspc_jax.models import layers
 from rspc_jax.models import register
 
@@ -30,12 +25,6 @@ PAAS_GRID = (14, 14)
 STEM_CHANNELS = 32
 LINEAR_MLP_WIDTH = 768  # the official Mlp switches to Linear layers at exactly this width
 LAYERNORM_EPS = 1e-6
-
-
-def _batch_norm(train: bool, axis_name: Optional[str], name: str) -> nn.BatchNorm:
-    """PyTorch BatchNorm2d defaults (momentum 0.1, eps 1e-5) in flax's convention."""
-    return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
-                        axis_name=axis_name, name=name)
 
 
 def _conv(features: int, kernel: int, in_channels: int, name: str, strides: int = 1,
@@ -57,7 +46,7 @@ class ConvEmbedding(nn.Module):
     def __call__(self, images, *, train: bool):
         x = _conv(STEM_CHANNELS, 7, images.shape[-1], strides=2, padding=((2, 2), (2, 2)),
                   name="proj_0")(images)
-        x = _batch_norm(train, self.bn_axis_name, "proj_1")(x)
+        x = layers.batch_norm(train, self.bn_axis_name, "proj_1")(x)
         # flax pads max-pool windows with -inf, as PyTorch does.
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
         return _conv(self.out_channels, 4, STEM_CHANNELS, strides=4, name="proj_3")(x)
@@ -76,11 +65,11 @@ class ConvMlp(nn.Module):
         batch, tokens, dim = x.shape
         hidden = self.hidden_dim
         x = x.reshape(batch, *grid, dim)  # row-major tokens -> NHWC
-        x = _batch_norm(train, self.bn_axis_name, "bn1")(_conv(hidden, 1, dim, name="fc1")(x))
+        x = layers.batch_norm(train, self.bn_axis_name, "bn1")(_conv(hidden, 1, dim, name="fc1")(x))
         x = nn.Dropout(self.dropout, deterministic=not train)(layers.gelu(x))
         x = _conv(hidden, 3, hidden, padding=((1, 1), (1, 1)), groups=hidden, name="dwconv")(x)
-        x = layers.gelu(_batch_norm(train, self.bn_axis_name, "bn2")(x))
-        x = _batch_norm(train, self.bn_axis_name, "bn3")(_conv(dim, 1, hidden, name="fc2")(x))
+        x = layers.gelu(layers.batch_norm(train, self.bn_axis_name, "bn2")(x))
+        x = layers.batch_norm(train, self.bn_axis_name, "bn3")(_conv(dim, 1, hidden, name="fc2")(x))
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
         return x.reshape(batch, tokens, dim)
 
@@ -209,24 +198,6 @@ class RVT(nn.Module):
                 f"{PAAS_IMAGE_SIZE} images; got {images.shape[1]}x{images.shape[2]} images "
                 f"({tokens_map.shape[1]}x{tokens_map.shape[2]} tokens). Use {PAAS_IMAGE_SIZE}x"
                 f"{PAAS_IMAGE_SIZE} inputs or masked_block=0.")
-
-
-def torch_targets(model: RVT) -> dict[str, torch_layout.Target]:
-    """The official PyTorch key of every flax parameter and BatchNorm statistic of `model`."""
-    images = jax.ShapeDtypeStruct((1, PAAS_IMAGE_SIZE, PAAS_IMAGE_SIZE, 3), jnp.float32)
-    abstract = jax.eval_shape(functools.partial(model.init, train=False),
-                              jax.random.PRNGKey(0), images)
-    return torch_layout.targets_from_flax(
-        {c: abstract[c] for c in ("params", "batch_stats") if c in abstract})
-
-
-def variables_from_torch(state_dict: dict[str, np.ndarray], model: RVT) -> dict:
-    """Official RVT state dict (numpy, PyTorch keys and layouts) -> {'params', 'batch_stats'}.
-
-    Strict: a ValueError lists every missing, unexpected and wrongly shaped key
-    (`num_batches_tracked` is accepted and dropped).
-    """
-    return torch_layout.to_flax(state_dict, torch_targets(model))
 
 
 def _variant(base_dims: tuple[int, ...], depth: tuple[int, ...], heads: tuple[int, ...],
