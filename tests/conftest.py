@@ -1,6 +1,7 @@
 """Shared test fixtures: the reference fixtures' location, a prepared digits data dir."""
 
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -18,6 +19,14 @@ def fixture_dir(case: str) -> pathlib.Path:
     if not path.is_dir():
         pytest.skip(f"reference fixture {path} is not available")
     return path
+
+
+def torch_keys_manifest(name: str) -> dict:
+    """The official PyTorch key/shape manifest of full-size model `name`."""
+    path = FIXTURES.parent / "torch_keys" / f"{name}.json"
+    if not path.is_file():
+        pytest.skip(f"reference key manifest {path} is not available")
+    return json.loads(path.read_text())
 
 
 def assert_close(ours, ref, tol: float, name: str) -> None:

@@ -13,18 +13,13 @@ from rspc_jax import models
 from rspc_jax import rspc
 from rspc_jax import torch_layout
 from rspc_jax.models import fan
-from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir
+from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir, torch_keys_manifest
 
 VARIANTS = ("fan_tiny_8_p4_hybrid", "fan_small_12_p4_hybrid", "fan_base_16_p4_hybrid",
             "fan_large_16_p4_hybrid", "fan_tiny_12_p16_224", "fan_small_12_p16_224")
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
 
 
-def _torch_keys(name: str) -> dict:
-    path = FIXTURES.parent / "torch_keys" / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"reference key manifest {path} is not available")
-    return json.loads(path.read_text())
 
 
 def _model_from_official(constructor: dict) -> fan.FAN:
@@ -55,7 +50,7 @@ def _zeros_like_manifest(entries) -> dict:
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_full_size_parameter_count_and_official_keys(name):
-    manifest = _torch_keys(name)
+    manifest = torch_keys_manifest(name)
     params_json = json.loads((FIXTURES.parent / "torch_keys" / "params.json").read_text())
     targets = torch_layout.model_targets(models.create(name, num_classes=1000))
     count = sum(int(np.prod(t.shape)) for t in targets.values() if t.collection == "params")
@@ -65,7 +60,7 @@ def test_full_size_parameter_count_and_official_keys(name):
 
 
 def test_converter_lists_missing_unexpected_and_misshaped_keys():
-    state = _zeros_like_manifest(_torch_keys("fan_tiny_8_p4_hybrid")["entries"])
+    state = _zeros_like_manifest(torch_keys_manifest("fan_tiny_8_p4_hybrid")["entries"])
     del state["blocks.3.mlp.mlp_v.dwconv.bn.running_var"]
     state["pos_embeder.token_projection.bias"] = np.zeros((192,), np.float32)
     state["blocks.0.mlp.temperature"] = np.zeros((8,), np.float32)

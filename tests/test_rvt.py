@@ -15,7 +15,7 @@ from rspc_jax import models
 from rspc_jax import rspc
 from rspc_jax import torch_layout
 from rspc_jax.models import rvt
-from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir
+from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir, torch_keys_manifest
 
 VARIANTS = ("rvt_tiny", "rvt_tiny_plus", "rvt_small", "rvt_small_plus", "rvt_base",
             "rvt_base_plus")
@@ -23,11 +23,6 @@ LOSS_SCALE_KEY = "loss_scale_for_extra"
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
 
 
-def _torch_keys(name: str) -> dict:
-    path = FIXTURES.parent / "torch_keys" / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"reference key manifest {path} is not available")
-    return json.loads(path.read_text())
 
 
 def _model_from_official(kwargs: dict) -> rvt.RVT:
@@ -59,7 +54,7 @@ def _at(tree, path):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_full_size_parameter_count_and_official_keys(name):
-    manifest = _torch_keys(name)
+    manifest = torch_keys_manifest(name)
     params_json = json.loads((FIXTURES.parent / "torch_keys" / "params.json").read_text())
     targets = torch_layout.model_targets(models.create(name, num_classes=1000))
     count = sum(int(np.prod(t.shape)) for t in targets.values() if t.collection == "params")
@@ -69,7 +64,7 @@ def test_full_size_parameter_count_and_official_keys(name):
 
 
 def test_converter_lists_missing_unexpected_and_misshaped_keys():
-    state = _zeros_like_manifest(_torch_keys("rvt_tiny_plus")["entries"])
+    state = _zeros_like_manifest(torch_keys_manifest("rvt_tiny_plus")["entries"])
     del state["transformers.1.blocks.0.mlp.bn2.running_var"]
     state["pos_embed"] = np.zeros((1, 196, 192), np.float32)
     state["pools.0.conv.weight"] = np.zeros((384, 2, 3, 3), np.float32)
