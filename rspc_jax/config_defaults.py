@@ -50,7 +50,10 @@ def get_default_config() -> ml_collections.ConfigDict:
         lam=0.005,                 # weight of the alignment loss
         patch_size=0,              # 0 = the model's patch size
         ste="clip",                # 'clip' (hardtanh backward, official) | 'identity'
-        occ_grad_scale=65536.0,    # emulates the GradScaler's 2**16 on C's gradient; 1 = paper
+        # Emulates the GradScaler's 2**16 on C's gradient (1 = paper). It scales the gradient
+        # of the global-mean loss; official runs scaled each GPU's mean loss, so emulating
+        # per-GPU batch b needs 2**16 * batch_size / b.
+        occ_grad_scale=65536.0,
         noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
         clamp="imagenet",          # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
         selection="learned",       # 'learned' | 'random' (Table 3 ablation)
