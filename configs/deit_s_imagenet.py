@@ -20,16 +20,7 @@ def get_config(arg=None):
     c = config_defaults.get_default_config()
     c.model_name = "deit_small_patch16_224"
     c.model.drop_path_rate = 0.1
-    c.dataset = "imagenet2012"
-    c.image_size = 224
-    c.augment = "imagenet"
-    c.batch_size = 1024
-    c.eval_batch_size = 1024
-    c.num_epochs = 300
-    c.optimizer.warmup_epochs = 5
-    c.label_smoothing = 0.1
-    c.mixup.mixup_alpha = 0.8
-    c.mixup.cutmix_alpha = 1.0
+    config_defaults.apply_imagenet_recipe(c, batch_size=1024)
     # 0.99996 at the official global batch 2048, rescaled to keep the half-life in epochs.
     c.ema_decay = 0.99996 ** (1024 / 2048)
     c.log_every_steps = 100

@@ -23,16 +23,7 @@ def get_config(arg=None):
     c = config_defaults.get_default_config()
     c.model_name = "rvt_base_plus"
     c.model = dict(drop_path_rate=0.1, masked_block=5)
-    c.dataset = "imagenet2012"
-    c.image_size = 224
-    c.augment = "imagenet"
-    c.batch_size = 2048
-    c.eval_batch_size = 1024
-    c.num_epochs = 300
-    c.optimizer.warmup_epochs = 5
-    c.label_smoothing = 0.1
-    c.mixup.mixup_alpha = 0.8
-    c.mixup.cutmix_alpha = 1.0
+    config_defaults.apply_imagenet_recipe(c, batch_size=2048)
     c.ema_decay = 0.99996
     c.rspc.occ_grad_scale = 65536.0 * c.batch_size / 64
     c.log_every_steps = 100

@@ -70,3 +70,19 @@ def get_default_config() -> ml_collections.ConfigDict:
     c.block_each_step = "auto"     # 'auto' (block on CPU, where queued collectives deadlock) | 'yes' | 'no'
     c.distributed = "auto"         # jax.distributed.initialize: 'auto' | 'yes' | 'no'
     return c
+
+
+def apply_imagenet_recipe(c: ml_collections.ConfigDict, batch_size: int) -> None:
+    """The DeiT/RVT ImageNet-1k recipe shared by the ImageNet configs (rspc-method.md 12.1):
+    224 px inception crops, 300 epochs, 5 warm-up epochs, mixup 0.8 / cutmix 1.0,
+    label smoothing 0.1, lr 5e-4 x batch/512 (the default optimizer)."""
+    c.dataset = "imagenet2012"
+    c.image_size = 224
+    c.augment = "imagenet"
+    c.batch_size = batch_size
+    c.eval_batch_size = 1024
+    c.num_epochs = 300
+    c.optimizer.warmup_epochs = 5
+    c.label_smoothing = 0.1
+    c.mixup.mixup_alpha = 0.8
+    c.mixup.cutmix_alpha = 1.0
