@@ -6,10 +6,10 @@ Needs `cifar10` prepared in TFDS_DATA_DIR (README, "Datasets"). Recipe as
 EXP_CIFAR of the official code (rspc-method.md 12.3): global batch 128, AdamW lr
 5e-4 x 128/512, no warm-up, cosine to 1e-5 over 200 epochs, wd 0.05, drop path 0.1,
 mixup 0.8 / cutmix 1.0 / smoothing 0.1, EMA 0.99996, rho 0.1, lambda 0.005. Differences
-from the paper's runs: the paper trains RVT-S / FAN-S at 224 px (up-sampled CIFAR)
-with RandAugment, random erasing, repeated augmentation, patch-wise augmentation and
-DeepAugment data; this config trains a ViT-S at the native 32 px with crop+flip only
-(those augmentations are not implemented yet). Not measured by us yet: no accuracy is
+from the paper's runs (configs/cifar10_rvt_s.py has them): the paper trains RVT-S / FAN-S
+at 224 px (up-sampled CIFAR) with RandAugment, random erasing, repeated augmentation,
+patch-wise augmentation and DeepAugment data; this config trains a ViT-S at the native
+32 px with crop+flip only, a cheap 32 px baseline. Not measured by us yet: no accuracy is
 claimed. Variants: `:plain` (no RSPC), `:smoke` (a few steps of a tiny model).
 """
 

@@ -4,7 +4,7 @@
 #   TPU_NAME=rspc ZONE=europe-west4-a ACCELERATOR=v3-8 launch/tpu_vm.sh create
 #   TPU_NAME=rspc ZONE=europe-west4-a launch/tpu_vm.sh setup
 #   TPU_NAME=rspc ZONE=europe-west4-a TFDS_DATA_DIR=gs://BUCKET/tfds \
-#     launch/tpu_vm.sh train --config=configs/deit_s_imagenet.py --workdir=gs://BUCKET/runs/deit_s
+#     launch/tpu_vm.sh train --config=configs/deit_s.py --workdir=gs://BUCKET/runs/deit_s
 #   TPU_NAME=rspc ZONE=europe-west4-a launch/tpu_vm.sh delete
 #
 # `--dry-run` before the sub-command prints the gcloud commands instead of running them.

@@ -8,7 +8,9 @@ Training streams are a pure function of (seed, host, step): epoch `e` is the
 host shard reshuffled with a seed derived from (seed, host, e), and every
 example is augmented with stateless random ops keyed by (seed, host, e, index
 in the shard). Resuming at `start_step` therefore only skips encoded records of
-the current epoch and never decodes or augments a skipped example.
+the current epoch and never decodes or augments a skipped example. The DeiT/timm
+augmentations (RandAugment, random erasing, repeated augmentation) live in
+`rspc_jax.augment` and `_epoch_stream` and follow the same rule.
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 import rspc_jax.datasets  # noqa: F401  (registers `sklearn_digits` with tfds)
+from rspc_jax import augment as augment_lib
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -226,6 +229,12 @@ _EVAL_PREPROCESS = {
     'imagenet2012': _eval_imagenet,
 }
 
+# eval_preprocess choices besides '' (the dataset's default): 'center_crop' is
+# the official evaluation at 224 px on every dataset, Resize(256) + CenterCrop.
+_EVAL_CHOICES = {
+    'center_crop': _eval_imagenet,
+}
+
 
 def _random_translate(image, key, size, pad):
     """Shift by up to +-pad pixels in each direction, filling with zeros."""
@@ -279,6 +288,24 @@ def _train_preprocess(augment: str, dataset: str):
     return _AUGMENTS[augment]
 
 
+def check_augmentation(*, rand_augment: str = '', random_erase_prob: float = 0.0,
+                       repeated_augment: int = 1,
+                       eval_preprocess: str = '') -> None:
+    """Raises ValueError naming the bad option, before any pipeline is built."""
+    if rand_augment:
+        augment_lib.parse_rand_augment(rand_augment)
+    if not 0.0 <= random_erase_prob <= 1.0:
+        raise ValueError(f'random_erase_prob={random_erase_prob!r} is a '
+                         'probability and must be in [0, 1].')
+    if int(repeated_augment) != repeated_augment or repeated_augment < 1:
+        raise ValueError(f'repeated_augment={repeated_augment!r} must be an '
+                         'integer >= 1 (1 = off, DeiT uses 3).')
+    if eval_preprocess and eval_preprocess not in _EVAL_CHOICES:
+        raise ValueError(f'Unknown eval_preprocess {eval_preprocess!r}; choose '
+                         f'one of {["", *sorted(_EVAL_CHOICES)]} ("" = the '
+                         "dataset's default).")
+
+
 def _normalise(image, spec: DatasetSpec, size: int):
     """(x/255 - mean) / std, with the static shape that batching needs."""
     image = tf.cast(image, tf.float32) / 255.0
@@ -291,21 +318,39 @@ def _normalise(image, spec: DatasetSpec, size: int):
 # ----------------------------------------------------------------------------
 
 
-def _epoch_stream(records, host_key, start_epoch, shuffle_buffer):
+def _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats=1):
     """Infinite stream of (example key, record), starting at `start_epoch`.
 
     Each epoch is reshuffled with a seed derived from (host_key, epoch) and each
     record is keyed by (host_key, epoch, index in the shard), so the stream does
     not depend on where it was started.
+
+    `repeats` > 1 is DeiT's repeated augmentation (RASampler): every record is
+    emitted `repeats` times in a row, copy r keyed by fold_in(record key, r) so
+    that the copies are augmented differently, and an epoch of the stream has
+    `repeats` x the shard's records. Consecutive copies land in the same batch
+    (except where they straddle a batch boundary), as RASampler sends them to
+    neighbouring GPUs of the same step. RASampler takes the first 1/repeats of
+    a fresh permutation every training epoch; here one permutation is consumed
+    over `repeats` training epochs instead, so each of those still holds about
+    N / repeats records x repeats copies, but no record is skipped however small
+    the shuffle buffer (taking the first third of a buffered shuffle would
+    mostly see the first third of the on-disk order).
     """
     fold_in = tf.random.experimental.stateless_fold_in
+
+    def copies(key, ex):
+        keys = tf.stack([fold_in(key, r) for r in range(repeats)])
+        return keys, tf.nest.map_structure(lambda t: tf.stack([t] * repeats),
+                                           ex)
 
     def one_epoch(epoch):
         epoch_key = fold_in(host_key, epoch)
         shuffle_seed = tf.random.stateless_uniform(
             [], seed=epoch_key, minval=None, maxval=None, dtype=tf.int64)
         shuffled = records.enumerate().shuffle(shuffle_buffer, seed=shuffle_seed)
-        return shuffled.map(lambda index, ex: (fold_in(epoch_key, index), ex))
+        keyed = shuffled.map(lambda index, ex: (fold_in(epoch_key, index), ex))
+        return keyed if repeats == 1 else keyed.map(copies).unbatch()
 
     return tf.data.Dataset.counter(start_epoch).flat_map(one_epoch)
 
@@ -314,6 +359,8 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
                    image_size: int, local_batch_size: int, seed: int,
                    start_step: int = 0, augment: str,
                    shuffle_buffer: int = 10_000,
+                   rand_augment: str = '', random_erase_prob: float = 0.0,
+                   repeated_augment: int = 1,
                    process_index: int | None = None,
                    process_count: int | None = None) -> Iterator[dict]:
     """Yields this host's training batches forever, starting at `start_step`.
@@ -323,7 +370,16 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
     The batch at step s is bitwise the same whether the iterator started at 0
     and was advanced s times or started at `start_step=s`. Each host reads its
     own equal-sized shard of `split` (the remainder is dropped).
+
+    The order is timm's create_transform: `augment` (crop, flip), then
+    RandAugment `rand_augment` ('' = off, e.g. 'rand-m9-mstd0.5-inc1') on the
+    crop, normalisation, then random erasing with `random_erase_prob`.
+    `repeated_augment` > 1 emits every record that many times in a row, with
+    different augmentations (`_epoch_stream`).
     """
+    check_augmentation(rand_augment=rand_augment,
+                       random_erase_prob=random_erase_prob,
+                       repeated_augment=repeated_augment)
     spec = dataset_spec(dataset)
     preprocess = _train_preprocess(augment, dataset)
     builder = get_builder(dataset, data_dir)
@@ -336,16 +392,25 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
     if epoch_size <= 0:
         raise ValueError(f'Host {process_index} of {process_count} has no '
                          f'examples of {dataset} split {split!r}.')
-    start_epoch, offset = divmod(start_step * local_batch_size, epoch_size)
+    repeats = int(repeated_augment)
+    start_epoch, offset = divmod(start_step * local_batch_size,
+                                 epoch_size * repeats)
     host_key = tf.constant([seed, process_index], tf.int64)
     decode = _image_decoder(builder)
+    fold_in = tf.random.experimental.stateless_fold_in
 
     def prepare(key, ex):
         image = preprocess(decode(ex['image']), key, image_size)
-        return {'image': _normalise(image, spec, image_size),
-                'label': ex['label']}
+        if rand_augment:
+            image = augment_lib.rand_augment(image, fold_in(key, 1),
+                                             rand_augment)
+        image = _normalise(image, spec, image_size)
+        if random_erase_prob > 0:
+            image = augment_lib.random_erasing(image, fold_in(key, 2),
+                                               random_erase_prob)
+        return {'image': image, 'label': ex['label']}
 
-    ds = _epoch_stream(records, host_key, start_epoch, shuffle_buffer)
+    ds = _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats)
     ds = ds.skip(offset).map(prepare, num_parallel_calls=AUTOTUNE)
     ds = ds.batch(local_batch_size, drop_remainder=True).prefetch(AUTOTUNE)
     return iter(tfds.as_numpy(_deterministic(ds)))
@@ -362,6 +427,7 @@ def _padding(image_size: int) -> tf.data.Dataset:
 
 def eval_iterator(*, dataset: str, data_dir: str | None, split: str,
                   image_size: int, local_batch_size: int,
+                  eval_preprocess: str = '',
                   process_index: int | None = None,
                   process_count: int | None = None
                   ) -> tuple[Iterable[dict], int]:
@@ -371,9 +437,13 @@ def eval_iterator(*, dataset: str, data_dir: str | None, split: str,
     (float32, 1 = real example, 0 = padding). All hosts yield the same
     num_batches, padding with fully-masked batches where they have fewer
     examples, so collective ops in the eval step stay in lockstep.
+    `eval_preprocess`: '' = the dataset's default, 'center_crop' = shorter
+    side to image_size / 0.875 (bicubic) and the central crop.
     """
+    check_augmentation(eval_preprocess=eval_preprocess)
     spec = dataset_spec(dataset)
-    preprocess = _EVAL_PREPROCESS[dataset]
+    preprocess = (_EVAL_CHOICES[eval_preprocess] if eval_preprocess
+                  else _EVAL_PREPROCESS[dataset])
     builder = get_builder(dataset, data_dir)
     process_index, process_count = _process(process_index, process_count)
     host_splits = tfds.even_splits(split, n=process_count)

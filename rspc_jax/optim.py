@@ -6,17 +6,24 @@ import optax
 from flax import traverse_util
 
 
-def learning_rate(config, *, batch_size: int, warmup_steps: int, total_steps: int) -> optax.Schedule:
-    """Linear warm-up from `warmup_lr` then cosine to `min_lr`, per step.
+def learning_rate(config, *, batch_size: int, warmup_steps: int, total_steps: int,
+                  cooldown_steps: int = 0) -> optax.Schedule:
+    """Linear warm-up from `warmup_lr`, cosine to `min_lr`, then `cooldown_steps` at
+    `min_lr` (timm's cool-down epochs), per step.
 
     The peak is `lr * batch_size / lr_base_batch` (DeiT's linear scaling rule) for the
-    global `batch_size`.
+    global `batch_size`; configs with an absolute lr (FAN) set lr_base_batch = batch_size.
     """
     peak = config.lr * batch_size / config.lr_base_batch
-    warmup = min(warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
+    cosine_steps = max(total_steps - cooldown_steps, 1)
+    warmup = min(warmup_steps, cosine_steps - 1)
+    cosine = optax.warmup_cosine_decay_schedule(
         init_value=config.warmup_lr, peak_value=peak, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=config.min_lr)
+        decay_steps=max(cosine_steps, warmup + 1), end_value=config.min_lr)
+    if cooldown_steps <= 0:
+        return cosine
+    return optax.join_schedules([cosine, optax.constant_schedule(config.min_lr)],
+                                boundaries=[cosine_steps])
 
 
 def weight_decay_mask(params, no_decay_names=()):

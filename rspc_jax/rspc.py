@@ -162,9 +162,20 @@ def corrupt_batch(occ_params, images, noise, *, occ_model, rho, ste_clip, grad_s
     return occlude(images, pixel_keep, noise, lower, upper), mask
 
 
+def apply_model(model, params, batch_stats, images, *, compute_dtype=None, **kwargs):
+    """`model.apply` on float32 master parameters. With `compute_dtype` (bfloat16 on TPU)
+    parameters and images are cast for the forward pass only: gradients flow back to the
+    float32 parameters, BatchNorm statistics stay float32, and flax's norms reduce in
+    float32. Logits and block outputs come back in `compute_dtype`; the losses upcast."""
+    if compute_dtype is not None:
+        params = jax.tree.map(lambda p: p.astype(compute_dtype), params)
+        images = images.astype(compute_dtype)
+    return model.apply({"params": params, "batch_stats": batch_stats}, images, **kwargs)
+
+
 def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model, occ_model,
               rho, lam, ste_clip, grad_scale, lower, upper, rngs, align_blocks=None,
-              random_scores=None, mask_probe=None):
+              random_scores=None, mask_probe=None, compute_dtype=None):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
@@ -174,9 +185,10 @@ def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model,
         occ_params, images, noise, occ_model=occ_model, rho=rho, ste_clip=ste_clip,
         grad_scale=grad_scale, lower=lower, upper=upper, random_scores=random_scores,
         mask_probe=mask_probe)
-    logits, state = model.apply(
-        {"params": params, "batch_stats": batch_stats}, jnp.concatenate([corrupted, images]),
-        train=True, mutable=["intermediates", "batch_stats"], rngs=rngs)
+    logits, state = apply_model(
+        model, params, batch_stats, jnp.concatenate([corrupted, images]),
+        compute_dtype=compute_dtype, train=True, mutable=["intermediates", "batch_stats"],
+        rngs=rngs)
     clean_logits = jnp.split(logits, 2)[1]
     ce = cross_entropy(clean_logits, targets)
     block_outputs = state["intermediates"]["block_outputs"]
@@ -189,9 +201,9 @@ def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model,
     return total, aux
 
 
-def plain_loss(params, batch_stats, images, targets, *, model, rngs):
+def plain_loss(params, batch_stats, images, targets, *, model, rngs, compute_dtype=None):
     """The baseline (rspc.enabled = False): CE on the clean batch through the same loop."""
-    logits, state = model.apply({"params": params, "batch_stats": batch_stats}, images,
+    logits, state = apply_model(model, params, batch_stats, images, compute_dtype=compute_dtype,
                                 train=True, mutable=["batch_stats"], rngs=rngs)
     ce = cross_entropy(logits, targets)
     return ce, dict(ce=ce, logits=logits, batch_stats=state.get("batch_stats", {}))

@@ -29,6 +29,8 @@ _CHOICES = {
     "rspc.clamp": ("imagenet", "dataset", "none"),
     "rspc.selection": ("learned", "random"),
     "block_each_step": ("auto", "yes", "no"),
+    "compute_dtype": ("float32", "bfloat16"),
+    "patch_aug": ("off", "official", "intended"),
 }
 
 
@@ -49,6 +51,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError("batch_size and eval_batch_size must be positive")
     parallel.check_batch_size(config.batch_size)
     parallel.check_batch_size(config.eval_batch_size, "eval_batch_size")
+    try:
+        input_pipeline.check_augmentation(
+            rand_augment=config.rand_augment, random_erase_prob=config.random_erase_prob,
+            repeated_augment=config.repeated_augment, eval_preprocess=config.eval_preprocess)
+    except ValueError as error:
+        raise ValueError(f"bad augmentation setting in the config: {error}") from None
 
 
 def build_model(config, num_classes: int):
@@ -98,7 +106,13 @@ def step_settings(config, spec: input_pipeline.DatasetSpec) -> train_step_lib.St
         noise_mean=noise_mean, noise_std=noise_std, clamp_lower=lower, clamp_upper=upper,
         random_selection=r.selection == "random",
         align_blocks=tuple(r.align_blocks) or None, label_smoothing=config.label_smoothing,
-        mixup=mixup, ema_decay=config.ema_decay, occ_lr=r.optimizer.lr)
+        mixup=mixup, ema_decay=config.ema_decay, occ_lr=r.optimizer.lr,
+        compute_dtype=compute_dtype(config), patch_aug=config.patch_aug)
+
+
+def compute_dtype(config):
+    """None for float32 (no casts), else the jnp dtype of the forward pass."""
+    return None if config.compute_dtype == "float32" else jnp.dtype(config.compute_dtype)
 
 
 def resolve_workdir(workdir: str) -> str:
@@ -172,7 +186,8 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     opt = config.optimizer
     schedule = optim.learning_rate(
         opt, batch_size=config.batch_size, total_steps=total_steps,
-        warmup_steps=int(opt.warmup_epochs * steps_per_epoch))
+        warmup_steps=int(opt.warmup_epochs * steps_per_epoch),
+        cooldown_steps=int(opt.cooldown_epochs * steps_per_epoch))
     abstract_params = jax.eval_shape(lambda: model.init(
         jax.random.PRNGKey(0), jnp.zeros((1,) + image_shape), train=False))["params"]
     tx = optim.classifier_optimizer(opt, schedule, abstract_params, model.no_weight_decay_names)
@@ -183,7 +198,8 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     train_step = train_step_lib.make_train_step(
         mesh, model=model, occ_model=occ_model, tx=tx, occ_tx=occ_tx, schedule=schedule,
         settings=step_settings(config, spec))
-    return Parts(init, train_step, train_step_lib.make_eval_step(mesh, model))
+    return Parts(init, train_step,
+                 train_step_lib.make_eval_step(mesh, model, compute_dtype(config)))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
@@ -237,10 +253,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     train_batches = parallel.prefetch_to_mesh(input_pipeline.train_iterator(
         dataset=config.dataset, data_dir=config.data_dir, split=train_split,
         image_size=config.image_size, local_batch_size=local_batch, seed=config.seed,
-        start_step=start_step, augment=config.augment, shuffle_buffer=config.shuffle_buffer), mesh)
+        start_step=start_step, augment=config.augment, shuffle_buffer=config.shuffle_buffer,
+        rand_augment=config.rand_augment, random_erase_prob=config.random_erase_prob,
+        repeated_augment=config.repeated_augment), mesh)
     eval_batches, num_eval_batches = input_pipeline.eval_iterator(
         dataset=config.dataset, data_dir=config.data_dir, split=eval_split,
-        image_size=config.image_size, local_batch_size=config.eval_batch_size // jax.process_count())
+        image_size=config.image_size, local_batch_size=config.eval_batch_size // jax.process_count(),
+        eval_preprocess=config.eval_preprocess)
 
     def run_eval(step):
         results = {}

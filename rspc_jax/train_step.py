@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from rspc_jax import mixup
+from rspc_jax import patch_aug
 from rspc_jax import rspc
 from rspc_jax.parallel import DATA_AXIS
 
@@ -55,6 +56,8 @@ class StepSettings:
     mixup: Any               # dict of mixup/cutmix settings, None = off
     ema_decay: float
     occ_lr: float            # constant learning rate of C (logged)
+    compute_dtype: Any = None  # None = float32; jnp.bfloat16 = bf16 forward, f32 params
+    patch_aug: str = "off"     # RVT* patch-wise augmentation: 'off' | 'official' | 'intended'
 
 
 def create_train_state(rng, model: nn.Module, occ_model, image_shape, tx, occ_tx,
@@ -97,39 +100,66 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
     # are summed, so the gradient reaching the STE clip is that of the global-batch loss
     # and the step does not depend on how many devices share the batch.
     share = 1.0 / jax.lax.psum(1, DATA_AXIS)
+    # Folded from the step key rather than split off it, so that adding this stream left
+    # the other keys (and every earlier run) unchanged.
+    aug_noise_rng, aug_rng = jax.random.split(
+        jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1))
 
-    def global_share(loss_and_aux):
-        loss, aux = loss_and_aux
-        return loss * share, (loss, aux)
-
+    example_ids = device * local_batch + jnp.arange(local_batch)
     if settings.rspc_enabled:
-        example_ids = device * local_batch + jnp.arange(local_batch)
-        uniform = rspc.uniform_noise(noise_rng, example_ids, images.shape[1:])
-        noise = (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+        def noise_of(rng):
+            uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
+            return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+
         num_patches = (images.shape[1] // occ_model.patch_size) * (images.shape[2] // occ_model.patch_size)
         random_scores = None
         if settings.random_selection:
             random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
         probe = vary(jnp.zeros((local_batch, num_patches), jnp.float32))
-        loss_fn = functools.partial(
+        rspc_loss = functools.partial(
             rspc.rspc_loss, model=model, occ_model=occ_model, rho=settings.rho, lam=settings.lam,
             ste_clip=settings.ste_clip, grad_scale=settings.occ_grad_scale,
-            lower=settings.clamp_lower, upper=settings.clamp_upper, rngs=rngs,
-            align_blocks=settings.align_blocks, random_scores=random_scores)
+            lower=settings.clamp_lower, upper=settings.clamp_upper,
+            align_blocks=settings.align_blocks, random_scores=random_scores,
+            compute_dtype=settings.compute_dtype)
 
-        def objective(params, occ_params, probe):
-            return global_share(loss_fn(params, occ_params, state.batch_stats, images, targets,
-                                        noise, mask_probe=probe))
-
-        (_, (loss, aux)), (grads, occ_grads, probe_grad) = jax.value_and_grad(
-            objective, argnums=(0, 1, 2), has_aux=True)(
-                vary(state.params), vary(state.occ_params), probe)
+        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+            return rspc_loss(params, occ_params, batch_stats, images, targets, noise_of(noise_rng),
+                             rngs=rngs, mask_probe=probe)
+        args = (vary(state.params), vary(state.occ_params), probe)
     else:
-        def objective(params):
-            return global_share(rspc.plain_loss(params, state.batch_stats, images, targets,
-                                                model=model, rngs=rngs))
+        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+            return rspc.plain_loss(params, batch_stats, images, targets, model=model, rngs=rngs,
+                                   compute_dtype=settings.compute_dtype)
+        args = (vary(state.params), {}, None)
 
-        (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(vary(state.params))
+    def objective(params, occ_params, probe):
+        batch_stats, aug_loss = state.batch_stats, 0.0
+        if settings.patch_aug != "off":
+            # RSPC_RVT first runs the whole step on the patch-augmented batch (own mask and
+            # noise), then on the clean one; its gradients are zeroed before the update
+            # ('official': only the BatchNorm statistics keep it) or, as intended, added.
+            device_rng = jax.random.fold_in(aug_rng, device)
+            aug_images = patch_aug.patch_augment(device_rng, images, model.patch_size,
+                                                 settings.clamp_lower, settings.clamp_upper)
+            aug_args = (params, occ_params)
+            if settings.patch_aug == "official":
+                aug_args = jax.lax.stop_gradient(aug_args)
+            aug_total, aug_aux = loss_of(*aug_args, batch_stats, aug_images, aug_noise_rng,
+                                         {"dropout": jax.random.fold_in(device_rng, 1)}, None)
+            batch_stats = aug_aux["batch_stats"]
+            if settings.patch_aug == "intended":
+                aug_loss = aug_total
+        loss, aux = loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe)
+        return (loss + aug_loss) * share, (loss, aux)
+
+    argnums = (0, 1, 2) if settings.rspc_enabled else 0
+    (_, (loss, aux)), all_grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(
+        *args)
+    if settings.rspc_enabled:
+        grads, occ_grads, probe_grad = all_grads
+    else:
+        grads = all_grads
 
     grads = jax.lax.psum(grads, DATA_AXIS)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -167,8 +197,9 @@ def make_train_step(mesh: Mesh, **kwargs):
     return jax.jit(sharded, donate_argnums=0)
 
 
-def _per_device_eval_step(params, batch_stats, batch, *, model):
-    logits = model.apply({"params": params, "batch_stats": batch_stats}, batch["image"], train=False)
+def _per_device_eval_step(params, batch_stats, batch, *, model, compute_dtype):
+    logits = rspc.apply_model(model, params, batch_stats, batch["image"],
+                              compute_dtype=compute_dtype, train=False)
     mask = batch["mask"]
     correct = (jnp.argmax(logits, -1) == batch["label"]) * mask
     labels = jax.nn.one_hot(batch["label"], logits.shape[-1])
@@ -177,8 +208,8 @@ def _per_device_eval_step(params, batch_stats, batch, *, model):
     return jax.lax.psum(sums, DATA_AXIS)
 
 
-def make_eval_step(mesh: Mesh, model: nn.Module):
+def make_eval_step(mesh: Mesh, model: nn.Module, compute_dtype=None):
     """Masked sums over the global batch, so padded examples never count."""
-    step = functools.partial(_per_device_eval_step, model=model)
+    step = functools.partial(_per_device_eval_step, model=model, compute_dtype=compute_dtype)
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)),
                                  out_specs=P()))

@@ -15,8 +15,7 @@ from rspc_jax import train
 from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
-VARIANTS = {"demo.py": [None, "plain", "smoke"], "cifar10_vit_s.py": [None, "plain", "smoke"],
-            "deit_s_imagenet.py": [None, "plain"], "rvt_b.py": [None, "plain", "smoke"]}
+VARIANTS = {path.name: [None, "plain", "smoke"] for path in CONFIGS}
 
 
 def load(path: pathlib.Path, arg=None):
@@ -26,8 +25,11 @@ def load(path: pathlib.Path, arg=None):
     return module, module.get_config(arg)
 
 
-def test_every_config_file_is_covered():
-    assert sorted(p.name for p in CONFIGS) == sorted(VARIANTS)
+def test_the_issue_configs_exist():
+    expected = {"rvt_ti.py", "rvt_s.py", "rvt_b.py", "fan_t_hybrid.py", "fan_s_hybrid.py",
+                "fan_b_hybrid.py", "deit_s.py", "xcit_s12.py", "cifar10_rvt_s.py",
+                "cifar100_rvt_s.py", "cifar10_fan_s_hybrid.py", "cifar100_fan_s_hybrid.py"}
+    assert expected <= set(VARIANTS)
 
 
 @pytest.mark.parametrize("name,arg", [(n, a) for n, args in VARIANTS.items() for a in args])

@@ -20,8 +20,6 @@ VARIANTS = ("fan_tiny_8_p4_hybrid", "fan_small_12_p4_hybrid", "fan_base_16_p4_hy
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
 
 
-
-
 def _model_from_official(constructor: dict) -> fan.FAN:
     """`FAN(backbone=_create_hybrid_backbone(**b), **kwargs)` -> fan.FAN."""
     backbone, kwargs = constructor["backbone"]["kwargs"], constructor["kwargs"]
@@ -40,12 +38,6 @@ def _model_from_official(constructor: dict) -> fan.FAN:
 def _zeros_like_manifest(entries) -> dict:
     """A weightless state dict (broadcast views) with the manifest's keys and shapes."""
     return {key: np.broadcast_to(np.zeros((), dtype), shape) for key, shape, dtype in entries}
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -100,7 +92,7 @@ def test_reduced_fixture_eval_parity():
         "pos_encoding": captured["pos_embed"],
         "features": captured["norm"][:, 0],
     }
-    ours.update({f"cls_attn_block_{i:02d}": captured[f"cls_attn_blocks_{i}"]
+    ours.update({f"cls_attn_block_{i:02d}": captured[f"cls_attn_blocks_{i}"][0]  # (x, attn)
                  for i in range(model.cls_attn_layers)})
     blocks = state["intermediates"]["block_outputs"]
     assert [f"block_{i:02d}" for i in range(len(blocks))] == list(config["block_modules"])
@@ -126,6 +118,8 @@ def test_tiny_sows_every_fan_block_in_forward_order(name, blocks, heads):
     intermediates = state["intermediates"]
     assert [b.shape for b in intermediates["block_outputs"]] == [(2, 196, 192)] * blocks
     assert [m.shape for m in intermediates["attention_maps"]] == [(2, heads, 196, 196)] * blocks
+    # The class token's attention rows over [cls; patches], one per class-attention block.
+    assert [m.shape for m in intermediates["class_attention_maps"]] == [(2, heads, 1, 197)] * 2
 
 
 def test_fourier_encoding_matches_official_definition():

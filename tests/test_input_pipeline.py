@@ -6,6 +6,7 @@ import socket
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from rspc_jax import input_pipeline as ip
@@ -94,14 +95,72 @@ def test_none_augment_is_nearest_upsampling(digits_data_dir):
     assert (blocks == blocks[:, :, :1, :, :1, :]).all()
 
 
-def test_resume_is_bitwise_identical_across_epoch_boundary(digits_data_dir):
+TIMM_RECIPE = dict(rand_augment='rand-m9-mstd0.5-inc1', random_erase_prob=0.25)
+
+
+@pytest.mark.parametrize('start,options', [
     # 20 examples per epoch and 8 per batch: steps 2 and 5 straddle epochs.
-    common = dict(split='train[:20]', augment='digits')
-    advanced = take(digits_train(digits_data_dir, **common), 6)[3:]
-    resumed = take(digits_train(digits_data_dir, start_step=3, **common), 3)
+    (3, {}),
+    # x3 repeats: 60 examples per epoch of the stream, straddled by step 7.
+    (6, dict(repeated_augment=3, **TIMM_RECIPE)),
+])
+def test_resume_is_bitwise_identical_across_epoch_boundary(digits_data_dir,
+                                                           start, options):
+    common = dict(split='train[:20]', augment='digits', **options)
+    advanced = take(digits_train(digits_data_dir, **common), start + 3)[start:]
+    resumed = take(digits_train(digits_data_dir, start_step=start, **common), 3)
     for a, b in zip(advanced, resumed):
         np.testing.assert_array_equal(a['image'], b['image'])
         np.testing.assert_array_equal(a['label'], b['label'])
+
+
+def test_repeated_augmentation_emits_consecutive_copies(digits_data_dir):
+    # 12 records x 3 copies = 36 examples per epoch of the stream = 6 batches.
+    common = dict(split='train[:12]', local_batch_size=6, repeated_augment=3)
+    plain = take(digits_train(digits_data_dir, image_size=8, augment='none',
+                              **common), 12)
+    images = to_uint8(np.concatenate([b['image'] for b in plain]))
+    labels = np.concatenate([b['label'] for b in plain])
+    records = as_keys(images, labels)
+    for epoch in (records[:36], records[36:]):
+        copies = [epoch[i:i + 3] for i in range(0, 36, 3)]
+        assert all(c[0] == c[1] == c[2] for c in copies)
+        assert sorted(c[0] for c in copies) == sorted(
+            as_keys(*raw_examples(digits_data_dir, 'train[:12]')))
+    assert records[:36:3] != records[36::3]  # each epoch is a new permutation
+    # The same order with augmentation: every copy is augmented differently.
+    augmented = take(digits_train(digits_data_dir, augment='digits',
+                                  **TIMM_RECIPE, **common), 6)
+    np.testing.assert_array_equal(
+        np.concatenate([b['label'] for b in augmented]), labels[:36])
+    images = np.concatenate([b['image'] for b in augmented])
+    for i in range(0, 36, 3):
+        first, second, third = images[i:i + 3]
+        assert not np.array_equal(first, second)
+        assert not np.array_equal(second, third)
+        assert not np.array_equal(first, third)
+
+
+def test_timm_augmentations_change_only_what_they_should(digits_data_dir):
+    base = next(digits_train(digits_data_dir, augment='digits'))
+    erased = next(digits_train(digits_data_dir, augment='digits',
+                               random_erase_prob=1.0))
+    randaug = next(digits_train(digits_data_dir, augment='digits',
+                                rand_augment='rand-m9-mstd0.5-inc1'))
+    np.testing.assert_array_equal(base['label'], erased['label'])
+    np.testing.assert_array_equal(base['label'], randaug['label'])
+    # Erasing replaces one box per image by N(0, 1) values, after normalisation.
+    for before, after in zip(base['image'], erased['image']):
+        changed = (before != after).any(axis=-1)
+        rows, cols = np.nonzero(changed)
+        box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+        assert 0 < changed.sum() == box < 16 * 16
+    # RandAugment works on uint8-valued pixels in [0, 255] before normalising.
+    assert not np.array_equal(base['image'], randaug['image'])
+    pixels = to_uint8(randaug['image']).astype(np.float64)
+    spec = ip.dataset_spec(DIGITS)
+    restored = (pixels / 255 - np.array(spec.mean)) / np.array(spec.std)
+    np.testing.assert_allclose(restored, randaug['image'], atol=1e-5)
 
 
 def test_each_epoch_is_a_new_permutation(digits_data_dir):
@@ -162,6 +221,22 @@ def test_eval_covers_split_exactly_once_over_two_hosts(digits_data_dir):
     assert len(seen) == 297
     assert collections.Counter(seen) == collections.Counter(
         as_keys(*raw_examples(digits_data_dir, 'test')))
+
+
+def test_eval_center_crop_is_resize_then_central_crop(digits_data_dir):
+    batches, _ = ip.eval_iterator(
+        dataset=DIGITS, data_dir=digits_data_dir, split='test[:4]',
+        image_size=16, local_batch_size=4, eval_preprocess='center_crop',
+        process_index=0, process_count=1)
+    images = next(iter(batches))['image']
+    raw, _ = raw_examples(digits_data_dir, 'test[:4]')
+    # 8 px -> int(16 / 0.875) = 18 px (bicubic), then the central 16 x 16.
+    resized = tf.image.resize(np.repeat(raw, 3, axis=-1), [18, 18],
+                              method='bicubic')
+    pixels = np.clip(resized.numpy()[:, 1:17, 1:17], 0, 255) / 255
+    spec = ip.dataset_spec(DIGITS)
+    np.testing.assert_allclose(
+        images, (pixels - np.array(spec.mean)) / np.array(spec.std), atol=1e-4)
 
 
 def test_eval_iterable_is_reiterable(digits_data_dir):
@@ -248,3 +323,12 @@ def test_unknown_names_raise_value_error_listing_choices(digits_data_dir):
         digits_train(digits_data_dir, augment='autoaugment')
     for name in ('digits', 'cifar', 'imagenet', 'none'):
         assert repr(name) in str(error.value)
+    with pytest.raises(ValueError, match="'center_crop'"):
+        ip.eval_iterator(dataset=DIGITS, data_dir=digits_data_dir, split='test',
+                         image_size=8, local_batch_size=8,
+                         eval_preprocess='resize')
+    for bad, match in [(dict(rand_augment='rand-q3'), 'rand-q3'),
+                       (dict(random_erase_prob=-0.1), 'random_erase_prob'),
+                       (dict(repeated_augment=0), 'repeated_augment')]:
+        with pytest.raises(ValueError, match=match):
+            digits_train(digits_data_dir, **bad)

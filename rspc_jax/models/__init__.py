@@ -61,3 +61,4 @@ def has_field(model: nn.Module, field: str) -> bool:
 from rspc_jax.models import vit  # noqa: E402,F401
 from rspc_jax.models import rvt  # noqa: E402,F401
 from rspc_jax.models import fan  # noqa: E402,F401
+from rspc_jax.models import xcit  # noqa: E402,F401

@@ -170,34 +170,50 @@ class HybridEmbed(nn.Module):
 
 
 class ConvBN(nn.Module):
-    """FAN's `conv3x3` unit: conv 3/2/1 without bias (PyTorch init) + BatchNorm; the PyTorch
-    Sequential indices 0 and 1 are the flax names."""
+    """FAN/XCiT `conv3x3` unit: conv 3/stride/1 without bias (PyTorch init) + BatchNorm; the
+    PyTorch Sequential indices 0 and 1 are the flax names."""
 
     features: int
+    strides: int = 2
     bn_axis_name: Optional[str] = None
 
     @nn.compact
     def __call__(self, x, *, train: bool):
-        x = nn.Conv(self.features, (3, 3), strides=2, padding=((1, 1), (1, 1)), use_bias=False,
-                    **_torch_conv_init(x.shape[-1], 3), name="0")(x)
+        x = nn.Conv(self.features, (3, 3), strides=self.strides, padding=((1, 1), (1, 1)),
+                    use_bias=False, **_torch_conv_init(x.shape[-1], 3), name="0")(x)
         return layers.batch_norm(train, self.bn_axis_name, "1")(x)
 
 
+# patch size -> (width divisor, stride) of each ConvBN unit. 16 and 8 are the official
+# (timm XCiT / FAN-ViT) stems; 4 is the patch-16 stem with its first two strides set to 1,
+# the thesis's adaptation for 32x32 CIFAR images (002, "Adapting to small resolution
+# images"), which keeps the patch-16 weights loadable.
+CONV_PATCH_EMBED_UNITS = {
+    16: ((8, 2), (4, 2), (2, 2), (1, 2)),
+    8: ((4, 2), (2, 2), (1, 2)),
+    4: ((8, 1), (4, 1), (2, 2), (1, 2)),
+}
+
+
 class ConvPatchEmbed(nn.Module):
-    """FAN-ViT patch 16 stem: four ConvBN units (D/8, D/4, D/2, D) with GELU between them,
-    at PyTorch Sequential indices 0, 2, 4, 6 (`proj_0` ... `proj_6`)."""
+    """XCiT / FAN-ViT stem: ConvBN units with GELU between them, at PyTorch Sequential
+    indices 0, 2, 4, ... (`proj_0`, `proj_2`, ...)."""
 
     embed_dim: int
+    patch_size: int = 16
     bn_axis_name: Optional[str] = None
 
     @nn.compact
     def __call__(self, images, *, train: bool):
+        if self.patch_size not in CONV_PATCH_EMBED_UNITS:
+            raise ValueError(f"conv patch embedding supports patch sizes "
+                             f"{sorted(CONV_PATCH_EMBED_UNITS)}, got {self.patch_size}")
         x = images
-        for i, divisor in enumerate((8, 4, 2, 1)):
+        for i, (divisor, stride) in enumerate(CONV_PATCH_EMBED_UNITS[self.patch_size]):
             if i:
                 x = layers.gelu(x)
-            x = ConvBN(self.embed_dim // divisor, self.bn_axis_name, name=f"proj_{2 * i}")(
-                x, train=train)
+            x = ConvBN(self.embed_dim // divisor, stride, self.bn_axis_name,
+                       name=f"proj_{2 * i}")(x, train=train)
         return x
 
 
@@ -258,17 +274,19 @@ class TokenMixing(nn.Module):
 
 
 class DWConv(nn.Module):
-    """Depthwise conv 3/1/1 -> GELU -> BatchNorm -> depthwise conv 3/1/1 on the token grid."""
+    """Depthwise conv 3/1/1 -> GELU -> BatchNorm -> depthwise conv 3/1/1 on the token grid
+    (FAN's `DWConv`; XCiT's `LPI` is the same module with PyTorch's default conv init)."""
 
     bn_axis_name: Optional[str] = None
+    torch_init: bool = False
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], *, train: bool):
         dim = x.shape[-1]
-        y = _conv(dim, 3, "conv1", padding=1, groups=dim, init=_depthwise_init(3))(
-            _to_grid(x, grid))
+        init = _torch_conv_init(1, 3) if self.torch_init else _depthwise_init(3)
+        y = _conv(dim, 3, "conv1", padding=1, groups=dim, init=init)(_to_grid(x, grid))
         y = layers.batch_norm(train, self.bn_axis_name, "bn")(layers.gelu(y))
-        y = _conv(dim, 3, "conv2", padding=1, groups=dim, init=_depthwise_init(3))(y)
+        y = _conv(dim, 3, "conv2", padding=1, groups=dim, init=init)(y)
         return _to_tokens(y)
 
 
@@ -325,7 +343,7 @@ class FANBlock(nn.Module):
     bn_axis_name: Optional[str] = None
 
     @nn.compact
-    def __call__(self, x, grid: tuple[int, int], *, train: bool):
+    def __call__(self, x, grid: tuple[int, int], train: bool):
         dim = x.shape[-1]
         if dim % self.num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads {self.num_heads}")
@@ -343,7 +361,8 @@ class FANBlock(nn.Module):
 
 
 class ClassAttn(nn.Module):
-    """timm CaiT `ClassAttn`: the class token (token 0) attends to all tokens; (B, 1, D)."""
+    """timm CaiT `ClassAttn`: the class token (token 0) attends to all tokens; returns the
+    output (B, 1, D) and the class token's attention row (B, heads, 1, N + 1)."""
 
     num_heads: int
     qkv_bias: bool = True
@@ -357,7 +376,7 @@ class ClassAttn(nn.Module):
         v = _dense(dim, "v", self.qkv_bias)(x).reshape(batch, tokens, self.num_heads, head_dim)
         attn = jax.nn.softmax(jnp.einsum("bhd,bkhd->bhk", q * head_dim**-0.5, k), axis=-1)
         out = jnp.einsum("bhk,bkhd->bhd", attn, v).reshape(batch, 1, dim)
-        return _dense(dim, "proj")(out)
+        return _dense(dim, "proj")(out), attn[:, :, None]
 
 
 class ClassAttentionBlock(nn.Module):
@@ -378,12 +397,12 @@ class ClassAttentionBlock(nn.Module):
         gamma1 = self.param("gamma1", scale_init, (dim,))
         gamma2 = self.param("gamma2", scale_init, (dim,))
         x_norm = _layer_norm("norm1")(x)
-        cls = ClassAttn(self.num_heads, self.qkv_bias, name="attn")(x_norm)
+        cls, attn = ClassAttn(self.num_heads, self.qkv_bias, name="attn")(x_norm)
         x = x + gamma1 * jnp.concatenate([cls, x_norm[:, 1:]], axis=1)
         norm2 = _layer_norm("norm2")
         x = norm2(x) if self.tokens_norm else jnp.concatenate([norm2(x[:, :1]), x[:, 1:]], 1)
         cls = gamma2 * layers.Mlp(int(dim * self.mlp_ratio), name="mlp")(x[:, :1], train=train)
-        return x + jnp.concatenate([cls, x[:, 1:]], axis=1)
+        return x + jnp.concatenate([cls, x[:, 1:]], axis=1), attn
 
 
 class FAN(nn.Module):
@@ -397,6 +416,7 @@ class FAN(nn.Module):
       hybrid_patch_size: HybridEmbed conv kernel = stride.
       drop_path_rate: the same stochastic-depth rate in every FAN block (official).
       head_init_scale: multiplies the head's init (0.001 for FAN-L-Hybrid).
+      remat: recompute each FAN block's activations in the backward pass.
       bn_axis_name: mesh axis over which BatchNorm batch statistics are averaged.
     """
 
@@ -415,6 +435,7 @@ class FAN(nn.Module):
     eta: float = 1.0
     head_init_scale: float = 1.0
     drop_path_rate: float = 0.0
+    remat: bool = False
     bn_axis_name: Optional[str] = None
 
     patch_size = 16  # hybrid: stem stride 4 * 2, HybridEmbed stride 2; ViT: four stride-2 convs
@@ -425,16 +446,19 @@ class FAN(nn.Module):
         x = self._patch_embed(images, train)
         grid = x.shape[1:3]
         x = _to_tokens(x) + PositionalEncodingFourier(self.embed_dim, name="pos_embed")(grid)
+        block = layers.maybe_remat(FANBlock, self.remat, static_argnums=(2, 3))
         for i in range(self.depth):
-            x, attn = FANBlock(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
-                               self.drop_path_rate, self.bn_axis_name, name=f"blocks_{i}")(
-                                   x, grid, train=train)
+            x, attn = block(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
+                            self.drop_path_rate, self.bn_axis_name, name=f"blocks_{i}")(
+                                x, grid, train)
             layers.sow_block(self, x, attn, sow_attention)
         cls_token = self.param("cls_token", layers.dense_init, (1, 1, self.embed_dim))
         x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, self.embed_dim)), x], 1)
         for i in range(self.cls_attn_layers):
-            x = ClassAttentionBlock(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
-                                    self.tokens_norm, name=f"cls_attn_blocks_{i}")(x, train=train)
+            x, attn = ClassAttentionBlock(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
+                                          self.tokens_norm, name=f"cls_attn_blocks_{i}")(
+                                              x, train=train)
+            layers.sow_class_attention(self, attn, sow_attention)
         x = _layer_norm("norm")(x)[:, 0]
         head_init = nn.initializers.truncated_normal(0.02 * self.head_init_scale)
         return nn.Dense(self.num_classes, kernel_init=head_init, name="head")(x)
@@ -443,7 +467,7 @@ class FAN(nn.Module):
         if self.hybrid:
             return HybridEmbed(self.embed_dim, self.hybrid_patch_size, tuple(self.stem_depths),
                                tuple(self.stem_dims), name="patch_embed")(images)
-        return ConvPatchEmbed(self.embed_dim, self.bn_axis_name, name="patch_embed")(
+        return ConvPatchEmbed(self.embed_dim, 16, self.bn_axis_name, name="patch_embed")(
             images, train=train)
 
 

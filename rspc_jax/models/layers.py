@@ -118,7 +118,7 @@ class Block(nn.Module):
     layernorm_eps: float = 1e-6
 
     @nn.compact
-    def __call__(self, x, *, train: bool):
+    def __call__(self, x, train: bool):
         drop_path = DropPath(self.drop_path)
         y, attn = Attention(self.num_heads, dropout=self.dropout, name="attn")(
             nn.LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x), train=train)
@@ -136,6 +136,13 @@ def sow_block(module: nn.Module, x: jax.Array, attn: Optional[jax.Array], sow_at
         module.sow("intermediates", "attention_maps", attn)
 
 
+def sow_class_attention(module: nn.Module, attn: jax.Array, sow_attention: bool):
+    """Records a class-attention block's class-token row (B, heads, 1, N + 1) on request,
+    apart from the backbone blocks' maps so that those stay aligned with block_outputs."""
+    if sow_attention:
+        module.sow("intermediates", "class_attention_maps", attn)
+
+
 def drop_path_rates(rate: float, depth: int, endpoint: bool = True) -> list[float]:
     """Linearly increasing stochastic-depth rates from 0: up to `rate` (timm/DeiT), or
     with `endpoint=False` rate * i / depth, never reaching `rate` (RVT)."""
@@ -144,3 +151,10 @@ def drop_path_rates(rate: float, depth: int, endpoint: bool = True) -> list[floa
     if depth == 1:
         return [0.0]
     return [rate * i / (depth - 1) for i in range(depth)]
+
+
+def maybe_remat(block_class: type, remat: bool, static_argnums: tuple[int, ...]) -> type:
+    """`block_class`, or its `nn.remat` (activations recomputed in the backward pass: less
+    memory for about a third more compute). Flax traces keyword arguments, so static
+    arguments (the train flag, the token grid) go positionally; argnum 0 is the module."""
+    return nn.remat(block_class, static_argnums=static_argnums) if remat else block_class

@@ -85,7 +85,7 @@ class Block(nn.Module):
     bn_axis_name: Optional[str] = None
 
     @nn.compact
-    def __call__(self, x, grid: tuple[int, int], *, train: bool):
+    def __call__(self, x, grid: tuple[int, int], train: bool):
         dim = x.shape[-1]
         drop_path = layers.DropPath(self.drop_path)
         y, attn = layers.Attention(
@@ -112,6 +112,7 @@ class Transformer(nn.Module):
     drop_path_rates: tuple[float, ...]
     masked_block: int = 0
     dropout: float = 0.0
+    remat: bool = False
     bn_axis_name: Optional[str] = None
 
     @nn.compact
@@ -119,11 +120,12 @@ class Transformer(nn.Module):
         batch, height, width, channels = x.shape
         x = x.reshape(batch, height * width, channels)  # row-major token order
         outputs = []
+        block = layers.maybe_remat(Block, self.remat, static_argnums=(2, 3))
         for i, rate in enumerate(self.drop_path_rates):
-            x, attn = Block(self.num_heads, self.mlp_ratio, paas=i < self.masked_block,
+            x, attn = block(self.num_heads, self.mlp_ratio, paas=i < self.masked_block,
                             drop_path=rate, dropout=self.dropout,
                             bn_axis_name=self.bn_axis_name, name=f"blocks_{i}")(
-                                x, (height, width), train=train)
+                                x, (height, width), train)
             outputs.append((x, attn))
         return x.reshape(batch, height, width, channels), outputs
 
@@ -147,6 +149,7 @@ class RVT(nn.Module):
       masked_block: PAAS in the first `masked_block` blocks of stage 0 (0 = plain RVT).
       dropout: the official drop_rate (after the stem, in attention projection and MLP),
         also used as the attention-map dropout (official attn_drop_rate, 0 in all recipes).
+      remat: recompute each block's activations in the backward pass.
       bn_axis_name: mesh axis over which BatchNorm batch statistics are averaged.
     """
 
@@ -158,6 +161,7 @@ class RVT(nn.Module):
     masked_block: int = 0
     drop_path_rate: float = 0.0
     dropout: float = 0.0
+    remat: bool = False
     bn_axis_name: Optional[str] = None
 
     patch_size = 16  # stem stride 2 * 2 * 4
@@ -177,7 +181,7 @@ class RVT(nn.Module):
             x, outputs = Transformer(
                 self.heads[stage], self.mlp_ratio, tuple(rates[start:start + depth]),
                 masked_block=self.masked_block if stage == 0 else 0, dropout=self.dropout,
-                bn_axis_name=self.bn_axis_name, name=f"transformers_{stage}")(x, train=train)
+                remat=self.remat, bn_axis_name=self.bn_axis_name, name=f"transformers_{stage}")(x, train=train)
             for tokens, attn in outputs:
                 layers.sow_block(self, tokens, attn, sow_attention)
         x = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm")(x.mean(axis=(1, 2)))

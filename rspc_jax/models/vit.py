@@ -24,6 +24,7 @@ class ViT(nn.Module):
         Xiao et al. 2021) that trains far better on tiny images such as the demo.
       pool: 'token' = final norm then class token (DeiT); 'avg' = mean of patch
         tokens then `fc_norm` (timm global_pool='avg', no class token).
+      remat: recompute each block's activations in the backward pass.
     """
 
     num_classes: int
@@ -37,6 +38,7 @@ class ViT(nn.Module):
     drop_path_rate: float = 0.0
     dropout: float = 0.0
     layernorm_eps: float = 1e-6
+    remat: bool = False
 
     no_weight_decay_names = ("pos_embed", "cls_token")
 
@@ -79,10 +81,10 @@ class ViT(nn.Module):
         x = nn.Dropout(self.dropout, deterministic=not train)(x + pos)
 
         mlp_dim = int(self.width * self.mlp_ratio)
+        block = layers.maybe_remat(layers.Block, self.remat, static_argnums=(2,))
         for i, rate in enumerate(layers.drop_path_rates(self.drop_path_rate, self.depth)):
-            x, attn = layers.Block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
-                                   layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(
-                                       x, train=train)
+            x, attn = block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
+                            layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(x, train)
             layers.sow_block(self, x, attn, sow_attention)
 
         if self.pool == "token":

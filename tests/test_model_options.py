@@ -1,0 +1,109 @@
+"""One real RSPC train step per model family at smoke size, and the memory/speed options
+(`remat`, bfloat16 compute) against the default path through that same step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rspc_jax import input_pipeline
+from rspc_jax import parallel
+from rspc_jax import train
+from tests.conftest import smoke_config
+
+# Tiny members of each family that run on the 32x32 digits (no PAAS: it needs 224 px).
+FAMILIES = {
+    "vit": ("vit_tiny", dict(width=32, depth=2, num_heads=2, patch_size=8)),
+    "rvt": ("rvt_tiny", dict(base_dims=(8, 8), depth=(1, 1), heads=(2, 4))),
+    "fan": ("fan_tiny_8_p4_hybrid", dict(embed_dim=16, depth=2, num_heads=2, stem_depths=(1, 1),
+                                         stem_dims=(8, 16), cls_attn_layers=1)),
+    "xcit": ("xcit_nano_12_p16_224", dict(embed_dim=16, depth=2, num_heads=2,
+                                          cls_attn_layers=1)),
+}
+COMPARED = ("loss", "ce", "align", "grad_norm", "occ_grad_norm")
+
+
+def _config(data_dir, model_name, model_overrides, **config_overrides):
+    return smoke_config(data_dir, model_name=model_name, model=dict(model_overrides),
+                        batch_size=4, **{"rspc.rho": 0.25, "model.drop_path_rate": 0.1},
+                        **config_overrides)
+
+
+def _parts(config):
+    spec = input_pipeline.dataset_spec(config.dataset)
+    model = train.build_model(config, spec.num_classes)
+    return train.build(config, model, spec, parallel.create_mesh(), steps_per_epoch=10,
+                       total_steps=10)
+
+
+def _one_step_from_a_shared_start(config):
+    """fn(variant config) -> (state, metrics) after one step from `config`'s initial state
+    on its first digits batch. The options compared here change neither the parameters nor
+    the optimizer state, so every variant starts from the same state (copied: the step
+    donates it)."""
+    mesh = parallel.create_mesh()
+    batch = parallel.to_global(next(input_pipeline.train_iterator(
+        dataset=config.dataset, data_dir=config.data_dir, split="train",
+        image_size=config.image_size, local_batch_size=config.batch_size, seed=0,
+        augment="none")), mesh)
+    initial = _parts(config).init(jax.random.PRNGKey(0))
+
+    def one_step(variant):
+        state, metrics = _parts(variant).train_step(jax.tree.map(jnp.copy, initial), batch)
+        return state, jax.device_get(metrics)
+
+    return one_step
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rspc_step_remat_and_bfloat16_agree_with_the_default(digits_data_dir, family):
+    name, overrides = FAMILIES[family]
+    one_step = _one_step_from_a_shared_start(_config(digits_data_dir, name, overrides))
+
+    state, metrics = one_step(_config(digits_data_dir, name, overrides))
+    assert all(np.isfinite(metrics[k]) for k in COMPARED)
+    assert metrics["align"] > 0 and metrics["occ_grad_norm"] > 0
+    assert metrics["occluded_fraction"] == pytest.approx(0.25)
+
+    remat_state, remat = one_step(_config(digits_data_dir, name, dict(overrides, remat=True)))
+    for key in COMPARED:
+        np.testing.assert_allclose(remat[key], metrics[key], rtol=1e-5, err_msg=key)
+    for ours, ref in zip(jax.tree.leaves(remat_state.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-6)
+
+    bf16_state, bf16 = one_step(_config(digits_data_dir, name, overrides,
+                                        compute_dtype="bfloat16"))
+    for key in ("loss", "ce", "grad_norm"):
+        np.testing.assert_allclose(bf16[key], metrics[key], rtol=5e-2, err_msg=key)
+    # Master parameters, optimizer state and BatchNorm statistics stay float32.
+    for tree in (bf16_state.params, bf16_state.opt_state, bf16_state.batch_stats):
+        assert {leaf.dtype for leaf in jax.tree.leaves(tree)
+                if jnp.issubdtype(leaf.dtype, jnp.floating)} <= {jnp.dtype(jnp.float32)}
+
+
+def test_unknown_compute_dtype_is_refused(digits_data_dir):
+    config = smoke_config(digits_data_dir, compute_dtype="float16")
+    with pytest.raises(ValueError, match="compute_dtype='float16' is not one of"):
+        train.validate_config(config)
+
+
+def test_patch_aug_official_moves_only_batchnorm_statistics_intended_adds_gradients(
+        digits_data_dir):
+    """RVT's BatchNorm normalises with batch statistics in training, so the official
+    (gradient-discarding) patch-wise augmentation changes nothing but the running stats."""
+    name, overrides = FAMILIES["rvt"]
+    one_step = _one_step_from_a_shared_start(_config(digits_data_dir, name, overrides))
+    (off, off_m), (official, official_m), (intended, intended_m) = (
+        one_step(_config(digits_data_dir, name, overrides, patch_aug=mode))
+        for mode in ("off", "official", "intended"))
+    for key in COMPARED:
+        np.testing.assert_array_equal(official_m[key], off_m[key], err_msg=key)
+    assert jax.tree.all(jax.tree.map(np.array_equal, official.params, off.params))
+    assert jax.tree.all(jax.tree.map(np.array_equal, official.occ_params, off.occ_params))
+    # Running statistics were updated twice (augmented, then clean batch).
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: not np.allclose(a, b, atol=1e-7),
+                                         official.batch_stats, off.batch_stats))
+    assert all(moved)
+    # Intended: the clean-batch loss is the same, the gradient is the sum of both passes.
+    np.testing.assert_allclose(intended_m["loss"], off_m["loss"], rtol=1e-6)
+    assert not np.isclose(intended_m["grad_norm"], off_m["grad_norm"], rtol=1e-3)
