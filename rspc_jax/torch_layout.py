@@ -37,12 +37,14 @@ _INDEXED = re.compile(r"^(.*)_(\d+)$")
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """Where one PyTorch tensor goes: flax collection, path in it, shape, layout rule."""
+    """Where one PyTorch tensor goes: flax collection, path in it, shape, layout rule
+    (torch -> flax) and its inverse (flax -> torch)."""
 
     collection: str
     path: tuple[str, ...]
     shape: tuple[int, ...]
     rule: Callable[[np.ndarray], np.ndarray]
+    inverse: Callable[[np.ndarray], np.ndarray]
 
 
 def linear_to_dense(weight: np.ndarray) -> np.ndarray:
@@ -50,18 +52,28 @@ def linear_to_dense(weight: np.ndarray) -> np.ndarray:
 
 
 def conv_to_flax(weight: np.ndarray) -> np.ndarray:
+    """(out, in/groups, *spatial) -> (*spatial, in/groups, out)."""
     spatial = tuple(range(2, weight.ndim))
     return weight.transpose(spatial + (1, 0))
+
+
+def conv_to_torch(kernel: np.ndarray) -> np.ndarray:
+    """(*spatial, in/groups, out) -> (out, in/groups, *spatial)."""
+    spatial = tuple(range(kernel.ndim - 2))
+    return kernel.transpose((kernel.ndim - 1, kernel.ndim - 2) + spatial)
 
 
 def copy(value: np.ndarray) -> np.ndarray:
     return value
 
 
-def layout_rule(leaf: str, ndim: int) -> Callable[[np.ndarray], np.ndarray]:
+def layout_rules(leaf: str, ndim: int):
+    """(torch -> flax, flax -> torch) for a leaf named `leaf` of rank `ndim`."""
     if leaf != "kernel":
-        return copy
-    return linear_to_dense if ndim == 2 else conv_to_flax
+        return copy, copy
+    if ndim == 2:
+        return linear_to_dense, linear_to_dense
+    return conv_to_flax, conv_to_torch
 
 
 def torch_key(collection: str, path: tuple[str, ...]) -> str:
@@ -81,7 +93,7 @@ def targets_from_flax(abstract_variables: Any) -> dict[str, Target]:
             if key in targets:
                 raise ValueError(f"flax leaves {targets[key].path} and {path} both map to {key!r}")
             targets[key] = Target(collection, path, tuple(leaf.shape),
-                                  layout_rule(path[-1], len(leaf.shape)))
+                                  *layout_rules(path[-1], len(leaf.shape)))
     return targets
 
 
@@ -109,6 +121,20 @@ def to_flax(state_dict: dict[str, np.ndarray], targets: dict[str, Target],
     flat = {(t.collection,) + t.path: jnp.asarray(t.rule(np.asarray(state_dict[k])), dtype)
             for k, t in targets.items()}
     return flax.traverse_util.unflatten_dict(flat)
+
+
+def to_torch(variables: dict, targets: dict[str, Target]) -> dict[str, np.ndarray]:
+    """{collection: nested dict} -> state dict (PyTorch keys and layouts, numpy float32),
+    plus `num_batches_tracked` = 0 for every BatchNorm, which PyTorch's strict loading
+    expects (it only matters for BatchNorm with momentum=None, which no model here uses)."""
+    flat = {collection: flax.traverse_util.flatten_dict(tree)
+            for collection, tree in variables.items()}
+    state = {}
+    for key, t in targets.items():
+        state[key] = np.ascontiguousarray(t.inverse(np.asarray(flat[t.collection][t.path])))
+        if t.collection == "batch_stats" and key.endswith(".running_var"):
+            state[key[:-len("running_var")] + "num_batches_tracked"] = np.zeros((), np.int64)
+    return state
 
 
 def model_targets(model: nn.Module, image_size: int = 224) -> dict[str, Target]:

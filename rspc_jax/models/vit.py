@@ -15,6 +15,18 @@ from rspc_jax.models import layers
 from rspc_jax.models import register
 
 
+class PatchEmbed(nn.Module):
+    """timm `PatchEmbed`: one conv with kernel = stride = patch size (`patch_embed.proj`)."""
+
+    width: int
+    patch_size: int
+
+    @nn.compact
+    def __call__(self, images):
+        return nn.Conv(self.width, (self.patch_size,) * 2, strides=self.patch_size,
+                       padding="VALID", name="proj")(images)
+
+
 class ViT(nn.Module):
     """Vision transformer classifier.
 
@@ -44,8 +56,7 @@ class ViT(nn.Module):
 
     def _embed(self, images):
         if self.stem == "patch":
-            return nn.Conv(self.width, (self.patch_size,) * 2, strides=self.patch_size,
-                           padding="VALID", name="patch_embed_proj")(images)
+            return PatchEmbed(self.width, self.patch_size, name="patch_embed")(images)
         if self.stem == "conv":
             num_convs = int(math.log2(self.patch_size))
             if 2**num_convs != self.patch_size:
