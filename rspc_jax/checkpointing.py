@@ -61,6 +61,26 @@ class Checkpointer:
         self._manager.close()
 
 
+def read_saved_state(directory: str, step: Optional[int] = None) -> tuple[int, dict, dict]:
+    """(step, state as nested dicts of numpy arrays, meta) of a finished checkpoint, without
+    building the model or its optimizer (export, inspection). `step` None = the latest."""
+    if not tf.io.gfile.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint directory {directory}; pass the --workdir of a "
+                                "training run")
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            read_only=True)) as manager:
+        steps = manager.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"{directory} holds no finished checkpoint")
+        if step is None:
+            step = max(steps)
+        elif step not in steps:
+            raise ValueError(f"{directory} has no checkpoint of step {step}; it has {sorted(steps)}")
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    return step, jax.device_get(restored["state"]), restored["meta"]
+
+
 def write_json(path: str, payload: dict) -> None:
     with tf.io.gfile.GFile(path, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True, default=str)

@@ -10,6 +10,13 @@ def get_default_config() -> ml_collections.ConfigDict:
     # Model: any name in `rspc_jax.models.names()`; `model` holds constructor overrides.
     c.model_name = "vit_demo"
     c.model = ml_collections.ConfigDict()
+    # Start from a released/exported PyTorch checkpoint (.pth, .pth.tar, .safetensors, .npz
+    # with official key names) instead of a random init; ignored when the workdir already has
+    # a checkpoint to resume from. README: "Start from a released checkpoint".
+    c.init_from = ""
+    c.init_from_ema = False        # take its EMA weights (state_dict_ema / model_ema)
+    c.init_head = "load"           # 'load' | 'reset' (fresh head, e.g. another number of classes)
+    c.init_resize = False          # interpolate RVT* PAAS masks / ViT pos_embed to image_size
     # BatchNorm batch statistics over all devices instead of per device (official: per GPU).
     c.bn_cross_device = False
     # Forward-pass dtype; 'bfloat16' keeps float32 params and optimizer state (TPU speed and

@@ -143,13 +143,3 @@ def model_targets(model: nn.Module, image_size: int = 224) -> dict[str, Target]:
     abstract = jax.eval_shape(functools.partial(model.init, train=False),
                               jax.random.PRNGKey(0), images)
     return targets_from_flax({c: abstract[c] for c in ("params", "batch_stats") if c in abstract})
-
-
-def variables_from_torch(state_dict: dict[str, np.ndarray], model: nn.Module,
-                         image_size: int = 224) -> dict:
-    """Official state dict (numpy, PyTorch keys and layouts) -> {'params', 'batch_stats'}.
-
-    Strict: a ValueError lists every missing, unexpected and wrongly shaped key
-    (`num_batches_tracked` is accepted and dropped).
-    """
-    return to_flax(state_dict, model_targets(model, image_size))

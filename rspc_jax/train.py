@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from rspc_jax import checkpointing
 from rspc_jax import input_pipeline
+from rspc_jax import interop
 from rspc_jax import metrics as metrics_lib
 from rspc_jax import models
 from rspc_jax import optim
@@ -31,6 +32,7 @@ _CHOICES = {
     "block_each_step": ("auto", "yes", "no"),
     "compute_dtype": ("float32", "bfloat16"),
     "patch_aug": ("off", "official", "intended"),
+    "init_head": ("load", "reset"),
 }
 
 
@@ -57,6 +59,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             repeated_augment=config.repeated_augment, eval_preprocess=config.eval_preprocess)
     except ValueError as error:
         raise ValueError(f"bad augmentation setting in the config: {error}") from None
+    if config.init_from and not tf.io.gfile.exists(config.init_from):
+        raise FileNotFoundError(f"config.init_from: checkpoint {config.init_from} does not exist")
 
 
 def build_model(config, num_classes: int):
@@ -202,6 +206,22 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
                  train_step_lib.make_eval_step(mesh, model, compute_dtype(config)))
 
 
+def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
+    """Replaces the classifier's initial params and BatchNorm statistics (and the EMA) by
+    those of `config.init_from`; optimizer states start fresh."""
+    fresh = jax.device_get(dict(params=state.params, batch_stats=state.batch_stats))
+    variables = interop.load_checkpoint(
+        config.init_from, fresh, ema=config.init_from_ema,
+        reset_head=config.init_head == "reset", resize=config.init_resize)
+    variables = jax.device_put(variables, parallel.replicated(mesh))
+    params = variables["params"]
+    print(f"Initialised from {config.init_from}"
+          f"{' (EMA weights)' if config.init_from_ema else ''}"
+          f"{'; new head' if config.init_head == 'reset' else ''}", flush=True)
+    return state.replace(params=params, batch_stats=variables.get("batch_stats", {}),
+                         ema_params=jax.tree.map(jnp.copy, params) if state.ema_params else {})
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        should_stop: Optional[Callable[[int], bool]] = None) -> dict:
     """Trains (or resumes) the run in `workdir`.
@@ -236,6 +256,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state = ckpt.restore(ckpt.latest_step(), state, meta)
         start_step = int(jax.device_get(state.step))
         print(f"Resumed from {ckpt.directory}/{start_step} (step {start_step}/{total_steps})", flush=True)
+    elif config.init_from:
+        state = initialize_from_checkpoint(config, state, mesh)
     if jax.process_index() == 0:
         checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
 

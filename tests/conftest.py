@@ -34,7 +34,16 @@ def assert_close(ours, ref, tol: float, name: str) -> None:
     ref = np.asarray(ref)
     assert np.shape(ours) == ref.shape, f"{name}: shape {np.shape(ours)} != {ref.shape}"
     err = float(np.max(np.abs(np.asarray(ours, np.float64) - ref)))
+    print(f"{name}: max abs error {err:.3g} (tolerance {tol:.3g})")  # shown with pytest -s
     assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g}"
+
+
+def assert_trees_equal(ours, ref) -> None:
+    """Same tree structure and bitwise equal leaves."""
+    import jax
+    assert jax.tree.structure(ours) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def activation_tol(ref) -> float:
@@ -49,6 +58,18 @@ def digits_data_dir(tmp_path_factory) -> str:
     data_dir = str(tmp_path_factory.mktemp("tfds"))
     input_pipeline.get_builder("sklearn_digits", data_dir)
     return data_dir
+
+
+@pytest.fixture(scope="session")
+def demo_run(digits_data_dir, tmp_path_factory):
+    """configs/demo.py:smoke through `python -m rspc_jax.main` as the README runs it (a
+    relative workdir), with an EMA; (workdir, CompletedProcess), run once per session."""
+    cwd = tmp_path_factory.mktemp("demo_run")
+    result = run_python(["-m", "rspc_jax.main", f"--config={REPO}/configs/demo.py:smoke",
+                         "--workdir=demo", f"--config.data_dir={digits_data_dir}",
+                         "--config.ema_decay=0.9"], timeout=300, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return cwd / "demo", result
 
 
 def smoke_config(data_dir: str, **overrides):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rspc_jax import interop
 from rspc_jax import models
 from rspc_jax import rspc
 from rspc_jax import torch_layout
@@ -57,7 +58,7 @@ def test_converter_lists_missing_unexpected_and_misshaped_keys():
     state["pos_embeder.token_projection.bias"] = np.zeros((192,), np.float32)
     state["blocks.0.mlp.temperature"] = np.zeros((8,), np.float32)
     with pytest.raises(ValueError) as error:
-        torch_layout.variables_from_torch(state, models.create("fan_tiny_8_p4_hybrid", num_classes=1000))
+        interop.load_variables(state, _abstract_init(models.create("fan_tiny_8_p4_hybrid", num_classes=1000), IMAGES_224))
     message = str(error.value)
     for part in ("missing (1): blocks.3.mlp.mlp_v.dwconv.bn.running_var",
                  "unexpected (1): pos_embeder.token_projection.bias",
@@ -73,7 +74,7 @@ def test_reduced_fixture_eval_parity():
     path = fixture_dir("fan_t_hybrid_reduced")
     config = json.loads((path / "config.json").read_text())
     model = _model_from_official(config["constructor"])
-    variables = torch_layout.variables_from_torch(dict(np.load(path / "state_dict.npz")), model)
+    variables = interop.init_and_load(model, str(path / "state_dict.npz"))
     ref = dict(np.load(path / "outputs.npz"))
     debug = ("backbone", "patch_embed", "pos_embed", "norm") + tuple(
         f"cls_attn_blocks_{i}" for i in range(model.cls_attn_layers))

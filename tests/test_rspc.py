@@ -5,16 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rspc_jax import interop
 from rspc_jax import rspc
 from tests.conftest import fixture_dir
 
 
 def _official_occlusion():
     path = fixture_dir("rspc_occlusion")
-    state = np.load(path / "state_dict.npz")
-    params = {"patch_embed": {"kernel": state["patch_embed.weight"].transpose(2, 3, 1, 0)},
-              "fc": {"kernel": state["fc.weight"].T}}
-    return params, np.load(path / "inputs.npz"), np.load(path / "outputs.npz")
+    inputs = np.load(path / "inputs.npz")
+    params = interop.load_checkpoint(str(path / "state_dict.npz"), jax.eval_shape(
+        rspc.PatchCorruptionModel(16).init, jax.random.PRNGKey(0), inputs["x_nhwc"]))["params"]
+    return params, inputs, np.load(path / "outputs.npz")
 
 
 def test_corruption_model_matches_official_fixture():

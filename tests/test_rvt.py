@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rspc_jax import interop
 from rspc_jax import models
 from rspc_jax import rspc
 from rspc_jax import torch_layout
@@ -23,11 +24,9 @@ LOSS_SCALE_KEY = "loss_scale_for_extra"
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
 
 
-
-
 def _model_from_official(kwargs: dict) -> rvt.RVT:
     """PoolingTransformer(**kwargs) -> RVT; image_size/patch_size/stride are unused there."""
-    assert kwargs["image_size"] == rvt.PAAS_IMAGE_SIZE
+    assert kwargs["image_size"] == 224
     assert kwargs.get("attn_drop_rate", 0.0) == kwargs.get("drop_rate", 0.0)
     return rvt.RVT(num_classes=kwargs["num_classes"], base_dims=tuple(kwargs["base_dims"]),
                    depth=tuple(kwargs["depth"]), heads=tuple(kwargs["heads"]),
@@ -48,10 +47,6 @@ def _at(tree, path):
     return tree
 
 
-
-
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_full_size_parameter_count_and_official_keys(name):
     manifest = torch_keys_manifest(name)
@@ -69,7 +64,7 @@ def test_converter_lists_missing_unexpected_and_misshaped_keys():
     state["pos_embed"] = np.zeros((1, 196, 192), np.float32)
     state["pools.0.conv.weight"] = np.zeros((384, 2, 3, 3), np.float32)
     with pytest.raises(ValueError) as error:
-        torch_layout.variables_from_torch(state, models.create("rvt_tiny_plus", num_classes=1000))
+        interop.load_variables(state, _abstract_init(models.create("rvt_tiny_plus", num_classes=1000), IMAGES_224))
     message = str(error.value)
     for part in ("missing (1): transformers.1.blocks.0.mlp.bn2.running_var",
                  "unexpected (1): pos_embed", "pools.0.conv.weight: (384, 2, 3, 3)"):
@@ -81,7 +76,7 @@ def test_reduced_fixture_eval_parity(case):
     path = fixture_dir(case)
     config = json.loads((path / "config.json").read_text())
     model = _model_from_official(config["constructor"]["kwargs"])
-    variables = torch_layout.variables_from_torch(dict(np.load(path / "state_dict.npz")), model)
+    variables = interop.init_and_load(model, str(path / "state_dict.npz"))
     ref = np.load(path / "outputs.npz")
     debug = {"patch_embed": "stem", "pools_0": "pool_00", "norm": "features"}
     forward = jax.jit(functools.partial(
@@ -110,14 +105,14 @@ def rspc_step():
     config = json.loads((path / "config.json").read_text())
     model = _model_from_official(config["classifier"]["kwargs"])
     targets = torch_layout.model_targets(model)
-    variables = torch_layout.to_flax(dict(np.load(path / "state_dict.npz")), targets)
+    variables = interop.init_and_load(model, str(path / "state_dict.npz"))
     rho, _, patch_size, _ = config["occlusion_model"]["args"]
     occ = rspc.PatchCorruptionModel(patch_size=patch_size)
     inputs = np.load(path / "inputs.npz")
-    occ_targets = torch_layout.targets_from_flax(
-        jax.eval_shape(occ.init, jax.random.PRNGKey(0), inputs["x_nhwc"]))
-    occ_params = torch_layout.to_flax(dict(np.load(path / "occlusion_state_dict.npz")),
-                                      occ_targets)["params"]
+    occ_abstract = jax.eval_shape(occ.init, jax.random.PRNGKey(0), inputs["x_nhwc"])
+    occ_targets = torch_layout.targets_from_flax(occ_abstract)
+    occ_params = interop.load_checkpoint(str(path / "occlusion_state_dict.npz"),
+                                         occ_abstract)["params"]
     assert config["target_type"] == "soft"
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     setup = dict(model=model, occ_model=occ, rho=rho, lower=lower, upper=upper, ste_clip=1.0)
@@ -294,11 +289,17 @@ def test_tiny_plus_sows_every_block_in_forward_order():
     assert paas == {("transformers_0", f"blocks_{i}") for i in range(10)}
 
 
-def test_paas_requires_224_but_plain_rvt_takes_other_sizes():
-    images = jax.ShapeDtypeStruct((2, 256, 256, 3), jnp.float32)
-    with pytest.raises(ValueError, match="needs 224x224 images; got 256x256"):
-        _abstract_init(models.create("rvt_tiny_plus", num_classes=10), images)
-    blocks = _abstract_block_outputs(models.create("rvt_tiny", num_classes=10), images)
+def test_paas_mask_follows_the_init_size_and_rejects_another():
+    images_256 = jax.ShapeDtypeStruct((2, 256, 256, 3), jnp.float32)
+    model = models.create("rvt_tiny_plus", num_classes=10)
+    masks = {v.shape for k, v in flax.traverse_util.flatten_dict(
+        _abstract_init(model, images_256)["params"]).items() if k[-1] == "att_mask"}
+    assert masks == {(6, 256, 256)}
+    variables_224 = _abstract_init(model, IMAGES_224)
+    with pytest.raises(ValueError, match=r"att_mask \(6, 196, 196\) was made for 196 tokens, "
+                                         r"the input has 256.*init_resize"):
+        jax.eval_shape(functools.partial(model.apply, train=False), variables_224, images_256)
+    blocks = _abstract_block_outputs(models.create("rvt_tiny", num_classes=10), images_256)
     assert [b.shape for b in blocks] == [(2, 256, 192)] * 10 + [(2, 64, 384)] * 2
 
 

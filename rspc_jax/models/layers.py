@@ -70,15 +70,15 @@ class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (timm/RVT layout [q; k; v]).
 
     Returns the output and the post-softmax attention map (B, heads, N, N).
-    `att_mask_tokens` = N adds RVT*'s position-aware attention scaling (PAAS): a learned
-    `att_mask` (heads, N, N) whose sigmoid multiplies the scaled logits before the softmax;
-    it pins the token count to N.
+    `paas` adds RVT*'s position-aware attention scaling: a learned `att_mask` (heads, N, N)
+    whose sigmoid multiplies the scaled logits before the softmax. N is the token count at
+    init, so the parameters then fit that input size only (`interop` can interpolate them).
     """
 
     num_heads: int
     qkv_bias: bool = True
     dropout: float = 0.0
-    att_mask_tokens: Optional[int] = None
+    paas: bool = False
     torch_init: bool = False
 
     @nn.compact
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * head_dim**-0.5
-        if self.att_mask_tokens is not None:
+        if self.paas:
             logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
@@ -101,11 +101,15 @@ class Attention(nn.Module):
         return nn.Dropout(self.dropout, deterministic=not train)(out), attn
 
     def _att_mask(self, tokens: int) -> jax.Array:
-        if tokens != self.att_mask_tokens:
-            raise ValueError(f"PAAS att_mask is fixed to {self.att_mask_tokens} tokens, the input "
-                             f"has {tokens}")
-        return self.param("att_mask", dense_init,
-                          (self.num_heads, self.att_mask_tokens, self.att_mask_tokens))
+        shape = (self.num_heads, tokens, tokens)
+        if self.has_variable("params", "att_mask"):
+            trained = self.get_variable("params", "att_mask").shape
+            if trained != shape:
+                raise ValueError(
+                    f"PAAS att_mask {trained} was made for {trained[-1]} tokens, the input has "
+                    f"{tokens}: feed the image size it was trained at, or load the weights with "
+                    f"interpolated masks (config.init_resize=True, rspc_jax.interop)")
+        return self.param("att_mask", dense_init, shape)
 
 
 class Block(nn.Module):

@@ -5,11 +5,13 @@ Conv stem without activations (conv 7/2 -> BN -> max-pool 3/2 -> conv 4/4: 224 -
 tokens), no positional embedding, pre-norm blocks whose MLP is a conv MLP with BatchNorm on
 the token grid (a plain Linear MLP at width 768, as in the official code), a grouped stride-2
 conv between stages (RVT-Ti), then GAP, LayerNorm and head. RVT* adds PAAS (`att_mask`) to
-the leading `masked_block` blocks of stage 0; it is tied to 14x14 tokens (224x224 inputs).
+the leading `masked_block` blocks of stage 0. The official mask is fixed to 14x14 tokens
+(224x224 inputs); here it takes the token count of the input the model is initialised
+with (196 at 224 px, as official), and `interop` interpolates trained masks to other sizes.
 
 Flax names mirror the PyTorch attributes with `_<i>` for list indices (`patch_embed/proj_0`,
 `transformers_0/blocks_0/attn/qkv`, `pools_0/conv`, `norm`, `head`), so importing an
-official state dict is a mechanical rename (`torch_layout.variables_from_torch`). Linear and conv layers keep
+official state dict is a mechanical rename (`torch_layout`, `interop`). Linear and conv layers keep
 PyTorch's default init, as the official model does (it only re-initialises LayerNorm).
 """
 
@@ -20,8 +22,6 @@ import flax.linen as nn
 from rspc_jax.models import layers
 from rspc_jax.models import register
 
-PAAS_IMAGE_SIZE = 224
-PAAS_GRID = (14, 14)
 STEM_CHANNELS = 32
 LINEAR_MLP_WIDTH = 768  # the official Mlp switches to Linear layers at exactly this width
 LAYERNORM_EPS = 1e-6
@@ -90,7 +90,7 @@ class Block(nn.Module):
         drop_path = layers.DropPath(self.drop_path)
         y, attn = layers.Attention(
             self.num_heads, dropout=self.dropout, torch_init=True,
-            att_mask_tokens=PAAS_GRID[0] * PAAS_GRID[1] if self.paas else None, name="attn")(
+            paas=self.paas, name="attn")(
                 nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm1")(x), train=train)
         x = x + drop_path(y, train=train)
         y = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm2")(x)
@@ -171,7 +171,6 @@ class RVT(nn.Module):
     def __call__(self, images, *, train: bool, sow_attention: bool = False):
         widths = self._widths()
         x = ConvEmbedding(widths[0], self.bn_axis_name, name="patch_embed")(images, train=train)
-        self._check_paas_grid(images, x)
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
         rates = layers.drop_path_rates(self.drop_path_rate, sum(self.depth), endpoint=False)
         for stage, depth in enumerate(self.depth):
@@ -193,15 +192,6 @@ class RVT(nn.Module):
             raise ValueError(f"base_dims {self.base_dims}, depth {self.depth} and heads "
                              f"{self.heads} need one entry per stage")
         return [dim * heads for dim, heads in zip(self.base_dims, self.heads)]
-
-    def _check_paas_grid(self, images, tokens_map) -> None:
-        if self.masked_block > 0 and tokens_map.shape[1:3] != PAAS_GRID:
-            raise ValueError(
-                f"RVT* PAAS (masked_block={self.masked_block}) has a fixed att_mask for the "
-                f"{PAAS_GRID[0]}x{PAAS_GRID[1]} token grid, so it needs {PAAS_IMAGE_SIZE}x"
-                f"{PAAS_IMAGE_SIZE} images; got {images.shape[1]}x{images.shape[2]} images "
-                f"({tokens_map.shape[1]}x{tokens_map.shape[2]} tokens). Use {PAAS_IMAGE_SIZE}x"
-                f"{PAAS_IMAGE_SIZE} inputs or masked_block=0.")
 
 
 def _variant(base_dims: tuple[int, ...], depth: tuple[int, ...], heads: tuple[int, ...],
