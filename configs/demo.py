@@ -32,6 +32,10 @@ def get_config(arg=None):
     c.log_every_steps = 50
     c.eval_every_steps = 115   # every 5 epochs
     c.checkpoint_every_steps = 230
+    # Robustness report (`python -m rspc_jax.evaluate --config=configs/demo.py`): the
+    # protocols' settings, with the attacks on the first 100 test digits so that the whole
+    # report takes minutes on 2 CPU cores.
+    c.evaluation.adversarial_examples = 100
 
     if arg == "plain":
         c.rspc.enabled = False

@@ -81,6 +81,34 @@ def get_default_config() -> ml_collections.ConfigDict:
             lr=1e-4, momentum=0.9, nesterov=True, weight_decay=0.05, clip_norm=5.0)),
     ))
 
+    # Robustness evaluation (`python -m rspc_jax.evaluate`; README "Evaluate robustness").
+    c.evaluation = ml_collections.ConfigDict(dict(
+        suites="clean,corrupted_local,patch_occlusion,attention_stability,adversarial",
+        batch_size=0,              # global; 0 = eval_batch_size
+        num_examples=0,            # cap on eval examples per suite; 0 = all
+        figure_images=4,           # images shown in the attention / mask figures
+        corruptions="common",      # common (the 15) | all (19) | a comma list
+        severities=(1, 2, 3, 4, 5),
+        # Released benchmark data ('' = the tfds builder in data_dir where one exists).
+        imagenet_c_dir="",         # <dir>/<corruption>/<severity>/<wnid>/*.JPEG
+        imagenet_a_dir="",         # <dir>/<wnid>/*.jpg (200 wnids)
+        imagenet_r_dir="",
+        imagenet_p_dir="",         # <dir>/<perturbation>/<wnid>/*.mp4
+        imagenet_p_perturbations="",  # comma list; '' = the 10 test perturbations
+        imagenet_p_alexnet="",     # JSON {flip_probability: {p: v}, top5_distance: {p: v}}
+        cifar10_c_dir="",          # <dir>/<corruption>.npy + labels.npy
+        cifar100_c_dir="",
+        occlusion_rho=0.1,         # the paper's analyses occlude 10% of the patches
+        occlusion_masks=100,       # random masks per image (Fig. 2 right)
+        fgsm_eps=1 / 255,          # RSPC_RVT --fgsm_test
+        pgd_eps=8 / 255, pgd_step=2 / 255, pgd_steps=5,   # RSPC_RVT --pgd_test
+        apgd_eps=4 / 255,          # RobustBench ImageNet L-inf
+        apgd_iters=100,
+        apgd_targets=9,            # targeted APGD-DLR classes after APGD-CE; 0 = APGD-CE only
+        adversarial_examples=1000,  # attacks run on the first N eval examples
+        patch_fool_patches=1, patch_fool_block=4, patch_fool_steps=250,
+    ))
+
     # Loop.
     c.log_every_steps = 50
     c.eval_every_steps = 0         # 0 = once per epoch

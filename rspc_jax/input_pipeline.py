@@ -18,6 +18,7 @@ import os
 from typing import Iterable, Iterator
 
 import jax
+import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
@@ -425,6 +426,105 @@ def _padding(image_size: int) -> tf.data.Dataset:
     }).repeat()
 
 
+def _host_records(builder, split, process_index, process_count):
+    """(this host's encoded records of `split`, the largest host's count): every
+    example on exactly one host."""
+    process_index, process_count = _process(process_index, process_count)
+    host_splits = tfds.even_splits(split, n=process_count)
+    largest = max(_num_examples(_encoded_records(builder, host_split))
+                  for host_split in host_splits)
+    return _encoded_records(builder, host_splits[process_index]), largest
+
+
+def eval_preprocess_fn(dataset: str, eval_preprocess: str = ''):
+    """The eval preprocessing of `dataset`, or the named `eval_preprocess` choice."""
+    check_augmentation(eval_preprocess=eval_preprocess)
+    return (_EVAL_CHOICES[eval_preprocess] if eval_preprocess
+            else _EVAL_PREPROCESS[dataset])
+
+
+def crop_only(image, size):
+    """The ImageNet-C/-P protocol (RVT, RSPC, Hendrycks): the released images are
+    already 224 x 224 crops, so only CenterCrop(size) (the identity at 224); images
+    smaller than `size` are first resized up (bicubic)."""
+    hw = tf.shape(image)[:2]
+    scale = tf.maximum(1.0, size / tf.cast(tf.reduce_min(hw), tf.float32))
+    image = tf.cast(image, tf.float32)
+    if_smaller = tf.cast(tf.math.ceil(tf.cast(hw, tf.float32) * scale), tf.int32)
+    image = tf.cond(scale > 1.0,
+                    lambda: tf.image.resize(image, if_smaller, method='bicubic'),
+                    lambda: image)
+    offset = (tf.shape(image)[:2] - size) // 2
+    return tf.slice(image, [offset[0], offset[1], 0], [size, size, 3])
+
+
+def _as_uint8(image, size):
+    """Rounded to uint8, as saving the preprocessed image would do (ImageNet-C's JPEGs):
+    the robustness suites corrupt pixels before normalising."""
+    image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
+    return tf.ensure_shape(image, [size, size, 3])
+
+
+def eval_examples(*, dataset: str, data_dir: str | None, split: str,
+                  image_size: int, eval_preprocess: str = '',
+                  builder_name: str | None = None, preprocess=None,
+                  process_index: int | None = None,
+                  process_count: int | None = None) -> tuple[tf.data.Dataset, int]:
+    """This host's share of `split` as unbatched {'image': uint8 (size, size, 3),
+    'label'} after the eval preprocessing, and the largest host's example count.
+
+    `builder_name` reads another tfds dataset (e.g. `imagenet_r`) with the
+    preprocessing of `dataset` (or `preprocess`, fn(image, size)).
+    """
+    preprocess = preprocess or eval_preprocess_fn(dataset, eval_preprocess)
+    builder = get_builder(builder_name or dataset, data_dir)
+    records, largest = _host_records(builder, split, process_index, process_count)
+    decode = _image_decoder(builder)
+
+    def prepare(ex):
+        return {'image': _as_uint8(preprocess(decode(ex['image']), image_size), image_size),
+                'label': ex['label']}
+
+    return _deterministic(records.map(prepare, num_parallel_calls=AUTOTUNE)), largest
+
+
+def _host_share(count: int, process_index, process_count) -> tuple[slice, int]:
+    """This host's contiguous rows of `count` (as tfds.even_splits), the largest share."""
+    process_index, process_count = _process(process_index, process_count)
+    bounds = np.linspace(0, count, process_count + 1).round().astype(int)
+    return (slice(bounds[process_index], bounds[process_index + 1]),
+            int(np.diff(bounds).max()))
+
+
+def file_examples(paths, labels, *, image_size: int, preprocess,
+                  process_index: int | None = None,
+                  process_count: int | None = None) -> tuple[tf.data.Dataset, int]:
+    """Image files (JPEG/PNG, e.g. ImageNet-C/A/R folders) as eval_examples does."""
+    rows, largest = _host_share(len(paths), process_index, process_count)
+
+    def load(path, label):
+        image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
+        return {'image': _as_uint8(preprocess(image, image_size), image_size),
+                'label': tf.cast(label, tf.int32)}
+
+    ds = tf.data.Dataset.from_tensor_slices((np.asarray(paths)[rows], np.asarray(labels)[rows]))
+    return _deterministic(ds.map(load, num_parallel_calls=AUTOTUNE)), largest
+
+
+def array_examples(images: np.ndarray, labels: np.ndarray, *, image_size: int, preprocess,
+                   process_index: int | None = None,
+                   process_count: int | None = None) -> tuple[tf.data.Dataset, int]:
+    """uint8 image arrays (CIFAR-C's .npy files) as eval_examples does."""
+    rows, largest = _host_share(len(images), process_index, process_count)
+
+    def prepare(image, label):
+        return {'image': _as_uint8(preprocess(image, image_size), image_size),
+                'label': tf.cast(label, tf.int32)}
+
+    ds = tf.data.Dataset.from_tensor_slices((images[rows], labels[rows]))
+    return _deterministic(ds.map(prepare, num_parallel_calls=AUTOTUNE)), largest
+
+
 def eval_iterator(*, dataset: str, data_dir: str | None, split: str,
                   image_size: int, local_batch_size: int,
                   eval_preprocess: str = '',
@@ -440,15 +540,10 @@ def eval_iterator(*, dataset: str, data_dir: str | None, split: str,
     `eval_preprocess`: '' = the dataset's default, 'center_crop' = shorter
     side to image_size / 0.875 (bicubic) and the central crop.
     """
-    check_augmentation(eval_preprocess=eval_preprocess)
     spec = dataset_spec(dataset)
-    preprocess = (_EVAL_CHOICES[eval_preprocess] if eval_preprocess
-                  else _EVAL_PREPROCESS[dataset])
+    preprocess = eval_preprocess_fn(dataset, eval_preprocess)
     builder = get_builder(dataset, data_dir)
-    process_index, process_count = _process(process_index, process_count)
-    host_splits = tfds.even_splits(split, n=process_count)
-    largest = max(_num_examples(_encoded_records(builder, host_split))
-                  for host_split in host_splits)
+    records, largest = _host_records(builder, split, process_index, process_count)
     num_batches = -(-largest // local_batch_size)
     decode = _image_decoder(builder)
 
@@ -457,8 +552,7 @@ def eval_iterator(*, dataset: str, data_dir: str | None, split: str,
         return {'image': _normalise(image, spec, image_size),
                 'label': ex['label'], 'mask': tf.constant(1.0, tf.float32)}
 
-    ds = _encoded_records(builder, host_splits[process_index])
-    ds = ds.map(prepare, num_parallel_calls=AUTOTUNE)
+    ds = records.map(prepare, num_parallel_calls=AUTOTUNE)
     ds = ds.concatenate(_padding(image_size))
     ds = ds.take(num_batches * local_batch_size).batch(local_batch_size)
     return tfds.as_numpy(_deterministic(ds.prefetch(AUTOTUNE))), num_batches

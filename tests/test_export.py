@@ -3,7 +3,6 @@
 
 import functools
 import importlib.util
-import json
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,6 @@ from rspc_jax import checkpointing
 from rspc_jax import config_defaults
 from rspc_jax import export
 from rspc_jax import interop
-from rspc_jax import models
 from rspc_jax import train
 from tests.conftest import assert_trees_equal, run_python, smoke_config, torch_keys_manifest
 

@@ -2,7 +2,6 @@
 against a NumPy transcription of timm's forward, and the sown blocks and channel maps."""
 
 import functools
-import json
 import re
 
 import jax

@@ -6,7 +6,6 @@ Parameter names follow timm's PyTorch attributes (`patch_embed/proj`, `cls_token
 """
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax.numpy as jnp

@@ -1,0 +1,61 @@
+"""Random patch occlusion and attention stability (paper Sec. 1, 5.1; Figs. 2, 4, 5).
+
+Definitions (eval-protocols.md section 8, the paper leaves them open; ours):
+* a random occlusion mask occludes exactly `num_occluded(N, rho)` of the N patches of an
+  image (the training count: 20 of 196 at rho = 0.1), chosen uniformly without
+  replacement; occluded patches get the training noise (U[0,1) in normalised space by
+  default) and the training clamp;
+* attention Cos-Sim of an image = mean over layers and heads of the cosine similarity of
+  the whole flattened post-softmax attention map (N x N) clean vs occluded.
+"""
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from rspc_jax import rspc
+
+
+def random_keep_masks(rng: jax.Array, batch: int, num_patches: int,
+                      occluded: int) -> jax.Array:
+    """(batch, N) float keep-masks, each with exactly `occluded` zeros at random places."""
+    order = jnp.argsort(jax.random.uniform(rng, (batch, num_patches)), axis=1)
+    ranks = jnp.argsort(order, axis=1)
+    return (ranks >= occluded).astype(jnp.float32)
+
+
+def occlude_patches(images: jax.Array, keep: jax.Array, rng: jax.Array, *, patch_size: int,
+                    noise_mean, noise_std, lower, upper) -> jax.Array:
+    """Eq. 1 with a given per-patch keep-mask and fresh uniform noise (training's noise
+    space: (u - noise_mean) / noise_std) and clamp (None = no clamp)."""
+    grid = (images.shape[1] // patch_size, images.shape[2] // patch_size)
+    pixel_keep = rspc.patch_mask_to_pixels(keep, grid, patch_size).astype(images.dtype)
+    uniform = jax.random.uniform(rng, images.shape, images.dtype)
+    noise = (uniform - jnp.asarray(noise_mean, images.dtype)) / jnp.asarray(noise_std, images.dtype)
+    return rspc.occlude(images, pixel_keep, noise, lower, upper)
+
+
+def attention_cosine(clean: Sequence[jax.Array], occluded: Sequence[jax.Array]) -> jax.Array:
+    """(B, layers): per layer, the head-mean cosine similarity of flattened maps
+    (B, heads, ...) clean vs occluded."""
+    per_layer = []
+    for a, b in zip(clean, occluded, strict=True):
+        a = a.reshape(a.shape[0], a.shape[1], -1).astype(jnp.float32)
+        b = b.reshape(b.shape[0], b.shape[1], -1).astype(jnp.float32)
+        cos = (a * b).sum(-1) / (jnp.linalg.norm(a, axis=-1) * jnp.linalg.norm(b, axis=-1) + 1e-12)
+        per_layer.append(cos.mean(axis=1))
+    return jnp.stack(per_layer, axis=1)
+
+
+def query_attention(attention: jax.Array, query=None) -> jax.Array:
+    """(B, heads, N', N') map -> (B, g, g) head-mean attention of patch `query` (default:
+    the centre patch (g//2, g//2), index 105 on 14x14 as Patch-Fool) over the patch grid;
+    prefix tokens (a class token) are N' - g*g, g = the largest square."""
+    tokens = attention.shape[-1]
+    side = int(tokens**0.5)
+    prefix = tokens - side * side
+    if query is None:
+        query = (side // 2) * side + side // 2
+    row = attention[:, :, prefix + query, prefix:].mean(axis=1)
+    return row.reshape(attention.shape[0], side, side)

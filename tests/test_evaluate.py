@@ -1,0 +1,197 @@
+"""`python -m rspc_jax.evaluate`: the suites on the demo checkpoint and on generated
+benchmark folders (each checked against a direct computation), exact counting on 8
+devices, and the report with its figures."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import run_python, smoke_config
+from rspc_jax import input_pipeline
+from rspc_jax import train
+from rspc_jax.evaluation import benchmarks
+from rspc_jax.evaluation import protocols
+from rspc_jax.evaluation import run as evaluate_lib
+
+QUICK = {"evaluation.occlusion_masks": 4, "evaluation.figure_images": 2,
+         "evaluation.apgd_iters": 10, "evaluation.apgd_targets": 2,
+         "evaluation.patch_fool_steps": 5, "evaluation.adversarial_examples": 48,
+         "evaluation.corruptions": "gaussian_noise,fog", "evaluation.severities": (2,)}
+
+
+def _evaluate(demo_run, data_dir, out, suites, **overrides):
+    config = smoke_config(data_dir, **{**QUICK, **overrides})
+    return evaluate_lib.evaluate(config, workdir=str(demo_run[0]), suites=suites, out=str(out))
+
+
+@pytest.fixture(scope="module")
+def demo_report(demo_run, digits_data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    results = _evaluate(demo_run, digits_data_dir, out,
+                        "clean,corrupted_local,patch_occlusion,attention_stability,adversarial")
+    return out, results
+
+
+def test_report_json_and_figures_of_every_suite(demo_report):
+    out, results = demo_report
+    report = (out / "report.md").read_text()
+    for suite in results:
+        assert "skipped" not in results[suite], results[suite]
+        assert json.loads((out / f"{suite}.json").read_text())["seconds"] >= 0
+        assert f"## {suite}" in report
+    figures = {p.name for p in (out / "figures").iterdir()}
+    assert {"occlusion_boxplot.png", "learned_masks.png", "cos_sim_histogram.png",
+            "corrupted_local_errors.png", "adversarial.png", "attention_maps_0.png",
+            "attention_maps_1.png"} <= figures
+    assert results["clean"]["num_examples"] == 297
+    # corrupted_local: its own label, and two corruptions at one severity.
+    assert "NOT the released" in results["corrupted_local"]["note"]
+    assert set(results["corrupted_local"]["accuracy"]) == {"gaussian_noise/2", "fog/2"}
+
+
+def test_attacks_on_the_demo_model_order_and_stay_in_budget(demo_report):
+    _, results = demo_report
+    accuracy = results["adversarial"]["accuracy"]
+    assert results["adversarial"]["num_examples"] == 48
+    assert accuracy["pgd"] <= accuracy["fgsm"] <= accuracy["clean"]
+    assert accuracy["autoattack"] <= accuracy["apgd_ce"] <= accuracy["clean"]
+    assert accuracy["patch_fool"] <= accuracy["clean"]
+    assert results["adversarial"]["max_pgd_linf"] <= 8 / 255 + 1e-6
+
+
+def test_nothing_occluded_gives_clean_accuracy_and_unit_cos_sim(demo_run, digits_data_dir,
+                                                                 tmp_path):
+    results = _evaluate(demo_run, digits_data_dir, tmp_path, "patch_occlusion,attention_stability",
+                        **{"evaluation.occlusion_rho": 0.0})
+    occlusion = results["patch_occlusion"]
+    assert occlusion["occluded_patches"] == 0
+    assert occlusion["per_mask_accuracy"] == [occlusion["clean_accuracy"]] * 4
+    assert results["attention_stability"]["mean_cos_sim"] == pytest.approx(1.0, abs=1e-5)
+    assert results["attention_stability"]["per_image"]["min"] == pytest.approx(1.0, abs=1e-5)
+
+
+_COUNT_SCRIPT = """
+import json
+import jax
+from tests.conftest import smoke_config
+from rspc_jax.evaluation import run as evaluate
+assert jax.device_count() == 8
+config = smoke_config({data_dir!r}, eval_split="test[:293]", **{{"evaluation.batch_size": 64}})
+result = evaluate.evaluate(config, workdir={workdir!r}, suites="clean", out={out!r})
+print(json.dumps(result["clean"]))
+"""
+
+
+def test_eight_devices_count_a_prime_sized_split_once(demo_run, digits_data_dir, tmp_path):
+    script = _COUNT_SCRIPT.format(data_dir=digits_data_dir, workdir=str(demo_run[0]),
+                                  out=str(tmp_path / "eight"))
+    result = run_python(["-c", script], devices=8, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    eight = json.loads(result.stdout.strip().splitlines()[-1])
+    one = _evaluate(demo_run, digits_data_dir, tmp_path / "one", "clean",
+                    eval_split="test[:293]", **{"evaluation.batch_size": 64})["clean"]
+    assert eight["num_examples"] == one["num_examples"] == 293
+    assert eight["top1"] == one["top1"]
+    assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------
+# Released-benchmark suites on generated folders, against a direct computation
+
+
+@pytest.fixture(scope="module")
+def imagenet_model(digits_data_dir):
+    """A random 1000-class tiny ViT at 32 px, with its Context and a direct predictor."""
+    config = smoke_config(digits_data_dir, dataset="imagenet2012", image_size=32)
+    spec = input_pipeline.dataset_spec("imagenet2012")
+    model = train.build_model(config, spec.num_classes)
+    variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 32, 32, 3)), train=False)
+    ctx = evaluate_lib.build_context(config, model, variables)
+
+    def logits(pixels_uint8):
+        x = (pixels_uint8 / 255.0 - np.asarray(spec.mean)) / np.asarray(spec.std)
+        return np.asarray(model.apply(variables, jnp.asarray(x, jnp.float32), train=False))
+
+    return ctx, logits
+
+
+def _write_folders(root, wnids, images, label_of):
+    """PNG `images` into <root>/<wnid>/, image i into the folder of class label_of[i]."""
+    for wnid in wnids:
+        (root / wnid).mkdir(parents=True)
+    for i, (image, label) in enumerate(zip(images, label_of)):
+        Image.fromarray(image).save(root / wnids[label] / f"{i}.png")
+
+
+def test_imagenet_c_folders_centre_crop_and_label_by_sorted_wnid(imagenet_model, tmp_path):
+    ctx, logits = imagenet_model
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (1100, 40, 40, 3), dtype=np.uint8)
+    predicted = logits(images[:, 4:36, 4:36]).argmax(-1)
+    # Every one of the 1000 folders needs an image: the first 1000 go one per class
+    # (mostly wrong), the last 100 into the folder of their own prediction (right).
+    label_of = np.concatenate([np.arange(1000), predicted[1000:]])
+    wnids = [f"n{i:08d}" for i in range(1000)]
+    _write_folders(tmp_path / "gaussian_noise" / "3", wnids, images, label_of)
+    ctx.settings.update(dict(imagenet_c_dir=str(tmp_path), corruptions="gaussian_noise",
+                             severities=(3,)))
+    result = benchmarks.imagenet_c(ctx)
+    expected = float((predicted == label_of).mean())
+    assert expected > 100 / 1100
+    assert result["accuracy"] == {"gaussian_noise/3": pytest.approx(expected)}
+    assert result["mce"] is None and ["gaussian_noise", 1] in result["missing"]
+
+
+def test_imagenet_a_folders_restrict_the_logits_to_200_classes(imagenet_model, tmp_path):
+    ctx, logits = imagenet_model
+    rng = np.random.default_rng(1)
+    # The run's ImageNet eval preprocessing: shorter side to 32 / 0.875 = 36 px (here the
+    # identity), then the central 32 x 32 crop.
+    images = rng.integers(0, 256, (300, 36, 36, 3), dtype=np.uint8)
+    restricted = protocols.restricted_prediction(logits(images[:, 2:34, 2:34]),
+                                                 protocols.IMAGENET_A_INDICES)
+    position = {int(c): i for i, c in enumerate(protocols.IMAGENET_A_INDICES)}
+    label_of = np.concatenate([np.arange(200), [position[int(c)] for c in restricted[200:]]])
+    _write_folders(tmp_path, list(protocols.IMAGENET_A_WNIDS), images, label_of)
+    ctx.settings.update(dict(imagenet_a_dir=str(tmp_path)))
+    result = benchmarks.imagenet_a(ctx)
+    expected = float((restricted == protocols.IMAGENET_A_INDICES[label_of]).mean())
+    assert expected >= 100 / 300
+    assert result["top1"] == pytest.approx(expected) and result["num_examples"] == 300
+
+
+def test_cifar10_c_npy_severity_blocks(demo_run, digits_data_dir, tmp_path):
+    config = smoke_config(digits_data_dir, **{"evaluation.cifar10_c_dir": str(tmp_path),
+                                              "evaluation.corruptions": "fog"})
+    spec = input_pipeline.dataset_spec(config.dataset)
+    model = train.build_model(config, spec.num_classes)
+    variables, _, _ = evaluate_lib.load_variables(config, model, workdir=str(demo_run[0]),
+                                                  checkpoint=None, step=None, ema=False)
+    rng = np.random.default_rng(2)
+    images = rng.integers(0, 256, (5 * 12, 32, 32, 3), dtype=np.uint8)
+    labels = np.tile(rng.integers(0, 10, 12), 5).astype(np.uint8)
+    np.save(tmp_path / "fog.npy", images)
+    np.save(tmp_path / "labels.npy", labels)
+    x = (images / 255.0 - np.asarray(spec.mean)) / np.asarray(spec.std)
+    correct = np.asarray(model.apply(variables, jnp.asarray(x, jnp.float32), train=False)
+                         ).argmax(-1) == labels
+    result = benchmarks.cifar10_c(evaluate_lib.build_context(config, model, variables))
+    for severity in range(1, 6):
+        block = correct[(severity - 1) * 12:severity * 12]
+        assert result["accuracy"][f"fog/{severity}"] == pytest.approx(block.mean())
+    assert result["per_corruption"] == {"fog": pytest.approx(correct.mean())}
+    assert result["mean_accuracy"] is None  # 14 of the 15 corruptions missing
+
+
+def test_a_suite_without_data_or_a_matching_model_is_skipped_with_the_fix(
+        demo_run, digits_data_dir, tmp_path):
+    results = _evaluate(demo_run, digits_data_dir, tmp_path, "imagenet_c,cifar10_c,cifar100_c")
+    assert "1000-class model" in results["imagenet_c"]["skipped"]
+    assert "cifar10_c_dir" in results["cifar10_c"]["skipped"]
+    assert "tfds build cifar10_corrupted" in results["cifar10_c"]["skipped"]
+    assert "100-class model" in results["cifar100_c"]["skipped"]
+    assert "skipped" in (tmp_path / "report.md").read_text()
