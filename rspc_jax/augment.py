@@ -409,6 +409,30 @@ def rand_augment(image, key, spec):
 # ----------------------------------------------------------------------------
 
 
+def color_jitter(image, key, strength: float):
+    """torchvision ColorJitter(strength, strength, strength) on a float image in
+    [0, 255]: brightness, contrast and saturation (PIL ImageEnhance, as above) with
+    factors U[max(0, 1 - strength), 1 + strength], applied in a random order."""
+    factor_key, order_key = tf.unstack(tf.random.experimental.stateless_split(key))
+    factors = tf.random.stateless_uniform([3], factor_key, max(0.0, 1.0 - strength),
+                                          1.0 + strength)
+    ops = (lambda x: _brightness(x, factors[0]), lambda x: _contrast(x, factors[1]),
+           lambda x: _color(x, factors[2]))
+    orders = [(a, b, c) for a in range(3) for b in range(3) for c in range(3)
+              if len({a, b, c}) == 3]
+
+    def apply(order):
+        def run():
+            out = image
+            for i in order:
+                out = ops[i](out)
+            return out
+        return run
+
+    index = tf.random.stateless_uniform([], order_key, 0, len(orders), dtype=tf.int32)
+    return tf.switch_case(index, [apply(order) for order in orders])
+
+
 def random_erasing(image, key, prob, *, min_area=0.02, max_area=1 / 3,
                    min_aspect=0.3, max_attempts=10):
     """timm RandomErasing(prob, mode='pixel', max_count=1) on a normalised image.

@@ -31,6 +31,9 @@ def get_default_config() -> ml_collections.ConfigDict:
     c.image_size = 32
     c.augment = "digits"          # 'digits' | 'cifar' | 'imagenet' | 'none'
     c.rand_augment = ""           # timm RandAugment on the crop: 'rand-m9-mstd0.5-inc1'; '' = off
+    c.color_jitter = 0.0          # torchvision ColorJitter strength on the crop (thesis: 0.4); 0 = off
+    c.crop_area = ()              # 'imagenet' crop's area range; () = (0.08, 1.0)
+    c.crop_aspect = ()            # 'imagenet' crop's aspect range; () = (3/4, 4/3)
     c.random_erase_prob = 0.0     # timm RandomErasing (mode 'pixel', 1 box), after normalisation
     c.repeated_augment = 1        # DeiT repeated augmentation: copies of each image; 1 = off
     c.eval_preprocess = ""        # '' = the dataset's default | 'center_crop' (Resize 256, crop 224)
@@ -76,9 +79,22 @@ def get_default_config() -> ml_collections.ConfigDict:
         noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
         clamp="imagenet",          # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
         selection="learned",       # 'learned' | 'random' (Table 3 ablation)
+        objective="align",         # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
+        fill="noise",              # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
         align_blocks=(),           # () = all backbone blocks
         optimizer=ml_collections.ConfigDict(dict(
             lr=1e-4, momentum=0.9, nesterov=True, weight_decay=0.05, clip_norm=5.0)),
+    ))
+
+    # Adversarial-training baselines (rspc_jax/adversarial_training.py), with rspc.enabled=False.
+    c.adversarial = ml_collections.ConfigDict(dict(
+        method="none",             # 'none' | 'fgsm' | 'pgd' | 'trades'
+        eps=4 / 255,               # L-inf budget, pixels in [0, 1] (thesis ImageNet: 4/255)
+        steps=1,                   # attack steps (fgsm: 1, or 2 = the thesis's 2-step FGSM)
+        step_size=0.0,             # 0 = eps / steps (fgsm), 2.5 eps / steps (pgd, trades)
+        beta=6.0,                  # TRADES weight of the KL term
+        eps_warmup_epochs=0,       # eps grows linearly over these epochs (thesis: 10)
+        attack_bn="train",         # BatchNorm in the attack: 'train' (thesis) | 'eval'
     ))
 
     # Robustness evaluation (`python -m rspc_jax.evaluate`; README "Evaluate robustness").
@@ -112,6 +128,8 @@ def get_default_config() -> ml_collections.ConfigDict:
     # Loop.
     c.log_every_steps = 50
     c.eval_every_steps = 0         # 0 = once per epoch
+    c.eval_fgsm_eps = 0.0          # > 0: evals also report FGSM accuracy at this eps (pixels in [0, 1])
+    c.keep_best = ""               # 'accuracy' | 'fgsm_accuracy': also keep the best eval's state in <workdir>/best
     c.checkpoint_every_steps = 500
     c.keep_checkpoints = 3
     c.block_each_step = "auto"     # 'auto' (block on CPU, where queued collectives deadlock) | 'yes' | 'no'

@@ -14,6 +14,7 @@ augmentations (RandAugment, random erasing, repeated augmentation) live in
 """
 
 import dataclasses
+import functools
 import os
 from typing import Iterable, Iterator
 
@@ -257,13 +258,13 @@ def _train_cifar(image, key, size):
     return tf.image.stateless_random_flip_left_right(image, flip_key)
 
 
-def _train_imagenet(image, key, size):
-    """Inception crop (area 8-100%, aspect 3/4-4/3), bicubic resize, flip."""
+def _train_imagenet(image, key, size, area=(0.08, 1.0), aspect=(3 / 4, 4 / 3)):
+    """Inception crop (area 8-100%, aspect 3/4-4/3 by default), bicubic resize, flip."""
     crop_key, flip_key = tf.unstack(tf.random.experimental.stateless_split(key))
     begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
         tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-        seed=crop_key, min_object_covered=0.0, aspect_ratio_range=(3 / 4, 4 / 3),
-        area_range=(0.08, 1.0), max_attempts=10,
+        seed=crop_key, min_object_covered=0.0, aspect_ratio_range=tuple(aspect),
+        area_range=tuple(area), max_attempts=10,
         use_image_if_no_bounding_boxes=True)
     image = tf.slice(image, begin, crop_size)
     image = tf.image.resize(image, [size, size], method='bicubic')
@@ -278,14 +279,18 @@ _AUGMENTS = {
 }
 
 
-def _train_preprocess(augment: str, dataset: str):
-    """Returns fn(image, key, size); 'none' is the dataset's eval preprocessing."""
+def _train_preprocess(augment: str, dataset: str, crop_area=None, crop_aspect=None):
+    """Returns fn(image, key, size); 'none' is the dataset's eval preprocessing.
+    `crop_area` / `crop_aspect` replace the 'imagenet' crop's ranges."""
     if augment == 'none':
         eval_fn = _EVAL_PREPROCESS[dataset]
         return lambda image, key, size: eval_fn(image, size)
     if augment not in _AUGMENTS:
         raise ValueError(f'Unknown augment {augment!r}; choose one of '
                          f'{sorted([*_AUGMENTS, "none"])}.')
+    if augment == 'imagenet' and (crop_area or crop_aspect):
+        return functools.partial(_train_imagenet, area=crop_area or (0.08, 1.0),
+                                 aspect=crop_aspect or (3 / 4, 4 / 3))
     return _AUGMENTS[augment]
 
 
@@ -361,7 +366,8 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
                    start_step: int = 0, augment: str,
                    shuffle_buffer: int = 10_000,
                    rand_augment: str = '', random_erase_prob: float = 0.0,
-                   repeated_augment: int = 1,
+                   repeated_augment: int = 1, color_jitter: float = 0.0,
+                   crop_area=None, crop_aspect=None,
                    process_index: int | None = None,
                    process_count: int | None = None) -> Iterator[dict]:
     """Yields this host's training batches forever, starting at `start_step`.
@@ -372,9 +378,11 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
     and was advanced s times or started at `start_step=s`. Each host reads its
     own equal-sized shard of `split` (the remainder is dropped).
 
-    The order is timm's create_transform: `augment` (crop, flip), then
-    RandAugment `rand_augment` ('' = off, e.g. 'rand-m9-mstd0.5-inc1') on the
-    crop, normalisation, then random erasing with `random_erase_prob`.
+    The order is timm's create_transform: `augment` (crop, flip; `crop_area`,
+    `crop_aspect` ranges of the 'imagenet' crop), then colour jitter
+    `color_jitter` (0 = off) or RandAugment `rand_augment` ('' = off, e.g.
+    'rand-m9-mstd0.5-inc1') on the crop, normalisation, then random erasing
+    with `random_erase_prob`.
     `repeated_augment` > 1 emits every record that many times in a row, with
     different augmentations (`_epoch_stream`).
     """
@@ -382,7 +390,7 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
                        random_erase_prob=random_erase_prob,
                        repeated_augment=repeated_augment)
     spec = dataset_spec(dataset)
-    preprocess = _train_preprocess(augment, dataset)
+    preprocess = _train_preprocess(augment, dataset, crop_area, crop_aspect)
     builder = get_builder(dataset, data_dir)
     process_index, process_count = _process(process_index, process_count)
     host_split = tfds.split_for_jax_process(
@@ -402,6 +410,8 @@ def train_iterator(*, dataset: str, data_dir: str | None, split: str,
 
     def prepare(key, ex):
         image = preprocess(decode(ex['image']), key, image_size)
+        if color_jitter > 0:
+            image = augment_lib.color_jitter(image, fold_in(key, 3), color_jitter)
         if rand_augment:
             image = augment_lib.rand_augment(image, fold_in(key, 1),
                                              rand_augment)

@@ -175,11 +175,13 @@ def apply_model(model, params, batch_stats, images, *, compute_dtype=None, **kwa
 
 def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model, occ_model,
               rho, lam, ste_clip, grad_scale, lower, upper, rngs, align_blocks=None,
-              random_scores=None, mask_probe=None, compute_dtype=None):
+              random_scores=None, mask_probe=None, compute_dtype=None, objective="align"):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
     official DDP code. Returns (total, aux) with aux holding the parts and new state.
+    objective='ce' (ablation) replaces L_align by CE on the occluded images, so C ascends
+    lam * CE(x_hat) and the classifier trains on clean and occluded data.
     """
     corrupted, mask = corrupt_batch(
         occ_params, images, noise, occ_model=occ_model, rho=rho, ste_clip=ste_clip,
@@ -189,12 +191,15 @@ def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model,
         model, params, batch_stats, jnp.concatenate([corrupted, images]),
         compute_dtype=compute_dtype, train=True, mutable=["intermediates", "batch_stats"],
         rngs=rngs)
-    clean_logits = jnp.split(logits, 2)[1]
+    corrupted_logits, clean_logits = jnp.split(logits, 2)
     ce = cross_entropy(clean_logits, targets)
-    block_outputs = state["intermediates"]["block_outputs"]
-    if align_blocks is not None:
-        block_outputs = [block_outputs[i] for i in align_blocks]
-    align = alignment_loss(block_outputs)
+    if objective == "ce":
+        align = cross_entropy(corrupted_logits, targets)   # logged as 'align' too
+    else:
+        block_outputs = state["intermediates"]["block_outputs"]
+        if align_blocks is not None:
+            block_outputs = [block_outputs[i] for i in align_blocks]
+        align = alignment_loss(block_outputs)
     total = ce + lam * align
     aux = dict(ce=ce, align=align, logits=clean_logits, keep=mask,
                batch_stats=state.get("batch_stats", {}))

@@ -1,6 +1,7 @@
 """The training loop: config -> state -> steps, evaluation, metrics, checkpoints, resume."""
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -14,6 +15,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
+from rspc_jax import adversarial_training
 from rspc_jax import checkpointing
 from rspc_jax import input_pipeline
 from rspc_jax import interop
@@ -29,6 +31,10 @@ _CHOICES = {
     "rspc.noise_space": ("normalized", "pixel"),
     "rspc.clamp": ("imagenet", "dataset", "none"),
     "rspc.selection": ("learned", "random"),
+    "rspc.objective": ("align", "ce"),
+    "rspc.fill": ("noise", "zero"),
+    "adversarial.method": adversarial_training.METHODS,
+    "adversarial.attack_bn": ("train", "eval"),
     "block_each_step": ("auto", "yes", "no"),
     "compute_dtype": ("float32", "bfloat16"),
     "patch_aug": ("off", "official", "intended"),
@@ -49,6 +55,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             raise ValueError(f"config.{key}={_get(config, key)!r} is not one of {choices}")
     if config.rspc.enabled:
         rspc.check_ratio(config.rspc.rho)
+    if config.rspc.enabled and config.adversarial.method != "none":
+        raise ValueError(f"config.adversarial.method={config.adversarial.method!r} is a baseline "
+                         "that replaces RSPC; set config.rspc.enabled=False")
+    if config.adversarial.method != "none" and not 0 < config.adversarial.eps <= 1:
+        raise ValueError(f"config.adversarial.eps={config.adversarial.eps} must be in (0, 1] "
+                         "(pixels in [0, 1]; e.g. 4/255)")
     if config.batch_size <= 0 or config.eval_batch_size <= 0:
         raise ValueError("batch_size and eval_batch_size must be positive")
     parallel.check_batch_size(config.batch_size)
@@ -59,6 +71,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             repeated_augment=config.repeated_augment, eval_preprocess=config.eval_preprocess)
     except ValueError as error:
         raise ValueError(f"bad augmentation setting in the config: {error}") from None
+    if config.keep_best not in ("", "accuracy", "fgsm_accuracy"):
+        raise ValueError(f"config.keep_best={config.keep_best!r} is not one of "
+                         "('', 'accuracy', 'fgsm_accuracy')")
+    if config.keep_best == "fgsm_accuracy" and config.eval_fgsm_eps <= 0:
+        raise ValueError("config.keep_best='fgsm_accuracy' needs config.eval_fgsm_eps > 0")
     if config.init_from and not tf.io.gfile.exists(config.init_from):
         raise FileNotFoundError(f"config.init_from: checkpoint {config.init_from} does not exist")
 
@@ -86,8 +103,10 @@ def check_image_size(config, model) -> None:
                 f"use an image size that is a multiple of {patch}")
 
 
-def step_settings(config, spec: input_pipeline.DatasetSpec) -> train_step_lib.StepSettings:
-    """Resolves the RSPC switches into the static numbers the step needs."""
+def step_settings(config, spec: input_pipeline.DatasetSpec,
+                  steps_per_epoch: int = 1) -> train_step_lib.StepSettings:
+    """Resolves the RSPC (or adversarial-training) switches into the static numbers the
+    step needs; `steps_per_epoch` times the eps warm-up."""
     r = config.rspc
     if r.noise_space == "pixel":
         noise_mean, noise_std = tuple(spec.mean), tuple(spec.std)
@@ -111,7 +130,10 @@ def step_settings(config, spec: input_pipeline.DatasetSpec) -> train_step_lib.St
         random_selection=r.selection == "random",
         align_blocks=tuple(r.align_blocks) or None, label_smoothing=config.label_smoothing,
         mixup=mixup, ema_decay=config.ema_decay, occ_lr=r.optimizer.lr,
-        compute_dtype=compute_dtype(config), patch_aug=config.patch_aug)
+        compute_dtype=compute_dtype(config), patch_aug=config.patch_aug,
+        rspc_objective=r.objective, fill=r.fill,
+        adversarial=adversarial_training.resolve(config, steps_per_epoch),
+        pixel_mean=tuple(spec.mean), pixel_std=tuple(spec.std))
 
 
 def compute_dtype(config):
@@ -125,6 +147,41 @@ def resolve_workdir(workdir: str) -> str:
         workdir = os.path.abspath(workdir)
     tf.io.gfile.makedirs(workdir)
     return workdir
+
+
+class BestKeeper:
+    """Early stopping as the thesis does it: the state of the best eval by
+    `config.keep_best` goes to <workdir>/best, itself a workdir (config.json +
+    checkpoints/<step>) that evaluate and export read with --workdir=<workdir>/best."""
+
+    def __init__(self, workdir: str, config, meta: dict):
+        self.directory = os.path.join(workdir, "best")
+        self.metric = config.keep_best
+        self._meta = meta
+        self._ckpt = checkpointing.Checkpointer(os.path.join(self.directory, "checkpoints"),
+                                                max_to_keep=1)
+        self._record = os.path.join(self.directory, "best.json")
+        self.value = -float("inf")
+        if tf.io.gfile.exists(self._record):  # resumed run: beat the earlier best
+            with tf.io.gfile.GFile(self._record) as f:
+                self.value = json.load(f)["value"]
+        if jax.process_index() == 0:
+            checkpointing.write_json(os.path.join(self.directory, "config.json"), config.to_dict())
+
+    def update(self, step: int, state, results: dict) -> None:
+        value = results[self.metric]
+        if value <= self.value:
+            return
+        self.value = value
+        self._ckpt.save(step, state, self._meta)
+        self._ckpt.wait_until_finished()
+        if jax.process_index() == 0:
+            checkpointing.write_json(self._record, dict(step=step, metric=self.metric, value=value))
+            print(f"[best] step {step}: {self.metric} {value:.4f} -> {self.directory}", flush=True)
+
+    def close(self) -> None:
+        self._ckpt.wait_until_finished()
+        self._ckpt.close()
 
 
 class StopRequest:
@@ -172,8 +229,11 @@ def evaluate(eval_step, params, batch_stats, eval_batches, num_batches, mesh) ->
             print(f"[eval] batch {i + 1}/{num_batches} ({time.time() - start:.0f}s)", flush=True)
     totals = jax.device_get(totals)
     count = float(totals["count"])
-    return dict(accuracy=float(totals["correct"]) / count, loss=float(totals["ce"]) / count,
-                num_examples=count)
+    result = dict(accuracy=float(totals["correct"]) / count, loss=float(totals["ce"]) / count,
+                  num_examples=count)
+    if "fgsm_correct" in totals:
+        result["fgsm_accuracy"] = float(totals["fgsm_correct"]) / count
+    return result
 
 
 class Parts(NamedTuple):
@@ -201,9 +261,12 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
         out_shardings=parallel.replicated(mesh))
     train_step = train_step_lib.make_train_step(
         mesh, model=model, occ_model=occ_model, tx=tx, occ_tx=occ_tx, schedule=schedule,
-        settings=step_settings(config, spec))
+        settings=step_settings(config, spec, steps_per_epoch))
     return Parts(init, train_step,
-                 train_step_lib.make_eval_step(mesh, model, compute_dtype(config)))
+                 train_step_lib.make_eval_step(
+                     mesh, model, compute_dtype(config),
+                     fgsm=((config.eval_fgsm_eps, tuple(spec.mean), tuple(spec.std))
+                           if config.eval_fgsm_eps > 0 else None)))
 
 
 def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
@@ -260,6 +323,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         state = initialize_from_checkpoint(config, state, mesh)
     if jax.process_index() == 0:
         checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
+    best = BestKeeper(workdir, config, meta) if config.keep_best else None
 
     logger = metrics_lib.MetricsLogger(workdir, total_steps, config.batch_size)
     logger.write_hparams({k: v for k, v in _flat(config.to_dict()).items()
@@ -277,7 +341,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         image_size=config.image_size, local_batch_size=local_batch, seed=config.seed,
         start_step=start_step, augment=config.augment, shuffle_buffer=config.shuffle_buffer,
         rand_augment=config.rand_augment, random_erase_prob=config.random_erase_prob,
-        repeated_augment=config.repeated_augment), mesh)
+        repeated_augment=config.repeated_augment, color_jitter=config.color_jitter,
+        crop_area=tuple(config.crop_area) or None, crop_aspect=tuple(config.crop_aspect) or None),
+        mesh)
     eval_batches, num_eval_batches = input_pipeline.eval_iterator(
         dataset=config.dataset, data_dir=config.data_dir, split=eval_split,
         image_size=config.image_size, local_batch_size=config.eval_batch_size // jax.process_count(),
@@ -290,6 +356,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 results[name] = evaluate(eval_step, params, state.batch_stats, eval_batches,
                                          num_eval_batches, mesh)
                 logger.write(step, results[name], name)
+        if best is not None:
+            best.update(step, state, results["eval"])
         return results
 
     block = config.block_each_step == "yes" or (
@@ -330,6 +398,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     finally:
         ckpt.wait_until_finished()
         ckpt.close()
+        if best is not None:
+            best.close()
         logger.close()
     if step == total_steps and jax.process_index() == 0:
         acc = final.get("eval", {}).get("accuracy")

@@ -20,7 +20,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from rspc_jax import mixup
 from rspc_jax import patch_aug
+from rspc_jax import adversarial_training
 from rspc_jax import rspc
+from rspc_jax.evaluation import attacks
 from rspc_jax.parallel import DATA_AXIS
 
 
@@ -58,6 +60,11 @@ class StepSettings:
     occ_lr: float            # constant learning rate of C (logged)
     compute_dtype: Any = None  # None = float32; jnp.bfloat16 = bf16 forward, f32 params
     patch_aug: str = "off"     # RVT* patch-wise augmentation: 'off' | 'official' | 'intended'
+    rspc_objective: str = "align"  # 'align' (paper) | 'ce' (CE on the occluded images; ablation)
+    fill: str = "noise"        # occluded patches: 'noise' (eq. 1) | 'zero' (ablation)
+    adversarial: Any = None    # adversarial_training.Settings; None = off
+    pixel_mean: Any = None     # the dataset's normalisation (adversarial training's pixel space)
+    pixel_std: Any = None
 
 
 def create_train_state(rng, model: nn.Module, occ_model, image_shape, tx, occ_tx,
@@ -108,6 +115,8 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
     example_ids = device * local_batch + jnp.arange(local_batch)
     if settings.rspc_enabled:
         def noise_of(rng):
+            if settings.fill == "zero":
+                return jnp.zeros_like(images)
             uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
             return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
 
@@ -121,12 +130,19 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
             ste_clip=settings.ste_clip, grad_scale=settings.occ_grad_scale,
             lower=settings.clamp_lower, upper=settings.clamp_upper,
             align_blocks=settings.align_blocks, random_scores=random_scores,
-            compute_dtype=settings.compute_dtype)
+            compute_dtype=settings.compute_dtype, objective=settings.rspc_objective)
 
         def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
             return rspc_loss(params, occ_params, batch_stats, images, targets, noise_of(noise_rng),
                              rngs=rngs, mask_probe=probe)
         args = (vary(state.params), vary(state.occ_params), probe)
+    elif settings.adversarial is not None:
+        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+            return adversarial_training.adversarial_loss(
+                params, batch_stats, images, targets, noise_rng, example_ids, state.step,
+                model=model, settings=settings.adversarial, mean=settings.pixel_mean,
+                std=settings.pixel_std, rngs=rngs, compute_dtype=settings.compute_dtype)
+        args = (vary(state.params), {}, None)
     else:
         def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
             return rspc.plain_loss(params, batch_stats, images, targets, model=model, rngs=rngs,
@@ -167,6 +183,7 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
     metrics = dict(loss=loss, ce=aux["ce"], lr=schedule(state.step), grad_norm=optax.tree.norm(grads),
                    train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)))
 
+    metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
     occ_params, occ_opt_state = state.occ_params, state.occ_opt_state
     if settings.rspc_enabled:
         occ_grads = jax.lax.psum(occ_grads, DATA_AXIS)
@@ -197,7 +214,7 @@ def make_train_step(mesh: Mesh, **kwargs):
     return jax.jit(sharded, donate_argnums=0)
 
 
-def _per_device_eval_step(params, batch_stats, batch, *, model, compute_dtype):
+def _per_device_eval_step(params, batch_stats, batch, *, model, compute_dtype, fgsm=None):
     logits = rspc.apply_model(model, params, batch_stats, batch["image"],
                               compute_dtype=compute_dtype, train=False)
     mask = batch["mask"]
@@ -205,11 +222,25 @@ def _per_device_eval_step(params, batch_stats, batch, *, model, compute_dtype):
     labels = jax.nn.one_hot(batch["label"], logits.shape[-1])
     ce = optax.softmax_cross_entropy(logits.astype(jnp.float32), labels) * mask
     sums = dict(correct=correct.sum(), ce=ce.sum(), count=mask.sum())
+    if fgsm is not None:
+        # FGSM accuracy (pixels in [0, 1], no random start), the thesis's early-stopping metric.
+        eps, mean, std = fgsm
+        mean, std = jnp.asarray(mean), jnp.asarray(std)
+
+        def logits_of(pixels):
+            return rspc.apply_model(model, params, batch_stats, (pixels - mean) / std,
+                                    compute_dtype=compute_dtype, train=False)
+
+        pixels = batch["image"] * std + mean
+        adv = attacks.fgsm(logits_of, pixels, batch["label"], eps=eps)
+        sums["fgsm_correct"] = ((jnp.argmax(logits_of(adv), -1) == batch["label"]) * mask).sum()
     return jax.lax.psum(sums, DATA_AXIS)
 
 
-def make_eval_step(mesh: Mesh, model: nn.Module, compute_dtype=None):
-    """Masked sums over the global batch, so padded examples never count."""
-    step = functools.partial(_per_device_eval_step, model=model, compute_dtype=compute_dtype)
+def make_eval_step(mesh: Mesh, model: nn.Module, compute_dtype=None, fgsm=None):
+    """Masked sums over the global batch, so padded examples never count; with
+    `fgsm` = (eps, mean, std) also the FGSM-correct count."""
+    step = functools.partial(_per_device_eval_step, model=model, compute_dtype=compute_dtype,
+                             fgsm=fgsm)
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(DATA_AXIS)),
                                  out_specs=P()))

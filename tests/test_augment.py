@@ -401,3 +401,14 @@ def test_config_defaults_recipe_and_validation():
         bad[field] = value
         with pytest.raises(ValueError, match=message):
             train.validate_config(bad)
+
+
+def test_color_jitter_is_keyed_bounded_and_the_identity_at_strength_zero():
+    image = tf.constant(np.random.default_rng(0).integers(0, 256, (16, 16, 3)), tf.float32)
+    key = tf.constant([1, 2], tf.int64)
+    np.testing.assert_array_equal(augment.color_jitter(image, key, 0.0), np.floor(image))
+    jittered = augment.color_jitter(image, key, 0.4).numpy()
+    assert 0 <= jittered.min() and jittered.max() <= 255
+    np.testing.assert_array_equal(jittered, augment.color_jitter(image, key, 0.4))
+    other = augment.color_jitter(image, tf.constant([3, 4], tf.int64), 0.4).numpy()
+    assert not np.array_equal(jittered, other) and not np.array_equal(jittered, image)

@@ -1,6 +1,7 @@
 """Every config file loads, validates and builds its model; CIFAR trains on tfds mock data."""
 
 import importlib.util
+import json
 import pathlib
 
 import jax
@@ -16,6 +17,12 @@ from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 VARIANTS = {path.name: [None, "plain", "smoke"] for path in CONFIGS}
+VARIANTS.update({
+    "ablations.py": ["demo/clean", "rvt_b/random_patches", "fan_b_hybrid/trades2",
+                     "xcit_s12/zero_fill"],
+    "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
+    "cifar10_xcit_s12_adv.py": [None, "smoke"],
+})
 
 
 def load(path: pathlib.Path, arg=None):
@@ -58,6 +65,23 @@ def test_cifar_smoke_trains_with_mixup_and_ema_on_mock_data(tmp_path):
     assert result["step"] == 4
     assert 0.0 <= result["eval"]["accuracy"] <= 1.0
     assert 0.0 <= result["eval_ema"]["accuracy"] <= 1.0
+
+
+def test_adversarial_cifar_finetuning_smoke_keeps_the_best_fgsm_state(tmp_path):
+    """TRADES on the stride-1 XCiT stem, colour jitter and the narrowed crops, FGSM evals
+    and the best state in <workdir>/best (on tfds mock data)."""
+    _, config = load(REPO / "configs" / "cifar10_xcit_s12_adv.py", "smoke")
+    config.update(dict(data_dir=str(tmp_path / "data"), augment="imagenet", color_jitter=0.4,
+                       total_steps=4, eval_every_steps=2))
+    with tfds.testing.mock_data(num_examples=64):
+        result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert result["step"] == 4
+    assert 0.0 <= result["eval"]["fgsm_accuracy"] <= 1.0
+    best = (tmp_path / "run" / "best")
+    record = json.loads((best / "best.json").read_text())
+    assert record["metric"] == "fgsm_accuracy" and record["step"] in (2, 4)
+    assert (best / "checkpoints" / str(record["step"])).is_dir()
+    assert (best / "config.json").is_file()
 
 
 def test_rvt_smoke_trains_with_batchnorm_and_paas(digits_data_dir, tmp_path):

@@ -51,7 +51,7 @@ def dlr_targeted_loss(logits: jax.Array, y: jax.Array, y_target: jax.Array) -> j
 
 # ----- shared helpers -------------------------------------------------------------------
 
-def _project(x_adv: jax.Array, x: jax.Array, eps: float) -> jax.Array:
+def project_linf(x_adv: jax.Array, x: jax.Array, eps: float) -> jax.Array:
     """Clip to the L-inf eps-ball around x, then to the pixel range [0, 1]."""
     return jnp.clip(jnp.clip(x_adv, x - eps, x + eps), 0.0, 1.0)
 
@@ -101,7 +101,7 @@ def pgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: Optional[jax.Array
 
     def step(_, x_adv):
         _, _, grad = _losses_logits_grad(logits_fn, cross_entropy, x_adv, y)
-        return _project(x_adv + step_size * jnp.sign(grad), x, eps)
+        return project_linf(x_adv + step_size * jnp.sign(grad), x, eps)
 
     return jax.lax.fori_loop(0, steps, step, x_adv)
 
@@ -212,8 +212,8 @@ def apgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, *, eps
 
     def step(i, s: _ApgdState) -> _ApgdState:
         momentum = jnp.where(i > 0, APGD_MOMENTUM, 1.0).astype(x.dtype)
-        z = _project(s.x_adv + _per_example(s.step_size, x) * jnp.sign(s.grad), x, eps)
-        x_new = _project(s.x_adv + momentum * (z - s.x_adv)
+        z = project_linf(s.x_adv + _per_example(s.step_size, x) * jnp.sign(s.grad), x, eps)
+        x_new = project_linf(s.x_adv + momentum * (z - s.x_adv)
                          + (1.0 - momentum) * (s.x_adv - s.x_old), x, eps)
         losses, logits, grad = _losses_logits_grad(logits_fn, loss_fn, x_new, y)
         fooled = _misclassified(logits, y)
