@@ -498,7 +498,8 @@ def eval_examples(*, dataset: str, data_dir: str | None, split: str,
     return _deterministic(records.map(prepare, num_parallel_calls=AUTOTUNE)), largest
 
 
-def _host_share(count: int, process_index, process_count) -> tuple[slice, int]:
+def host_share(count: int, process_index: int | None = None,
+               process_count: int | None = None) -> tuple[slice, int]:
     """This host's contiguous rows of `count` (as tfds.even_splits), the largest share."""
     process_index, process_count = _process(process_index, process_count)
     bounds = np.linspace(0, count, process_count + 1).round().astype(int)
@@ -510,7 +511,7 @@ def file_examples(paths, labels, *, image_size: int, preprocess,
                   process_index: int | None = None,
                   process_count: int | None = None) -> tuple[tf.data.Dataset, int]:
     """Image files (JPEG/PNG, e.g. ImageNet-C/A/R folders) as eval_examples does."""
-    rows, largest = _host_share(len(paths), process_index, process_count)
+    rows, largest = host_share(len(paths), process_index, process_count)
 
     def load(path, label):
         image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
@@ -525,7 +526,7 @@ def array_examples(images: np.ndarray, labels: np.ndarray, *, image_size: int, p
                    process_index: int | None = None,
                    process_count: int | None = None) -> tuple[tf.data.Dataset, int]:
     """uint8 image arrays (CIFAR-C's .npy files) as eval_examples does."""
-    rows, largest = _host_share(len(images), process_index, process_count)
+    rows, largest = host_share(len(images), process_index, process_count)
 
     def prepare(image, label):
         return {'image': _as_uint8(preprocess(image, image_size), image_size),

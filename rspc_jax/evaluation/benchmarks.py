@@ -35,19 +35,19 @@ def _tfds_source(ctx: Context, builder: str, split: str, preprocess, how: str) -
             image_size=ctx.config.image_size, builder_name=builder, preprocess=preprocess)
     except input_pipeline.DatasetNotFoundError as e:
         raise SuiteSkipped(f"{how}, or prepare the tfds dataset: {e}") from None
-    return ((ex["image"], ex["label"]) for ex in ds.as_numpy_iterator()), largest
+    return runner.as_source(ds, largest)
 
 
 def _files_source(ctx: Context, paths, labels, preprocess) -> runner.Source:
     ds, largest = input_pipeline.file_examples(paths, labels, image_size=ctx.config.image_size,
                                                preprocess=preprocess)
-    return ((ex["image"], ex["label"]) for ex in ds.as_numpy_iterator()), largest
+    return runner.as_source(ds, largest)
 
 
 def _arrays_source(ctx: Context, images, labels, preprocess) -> runner.Source:
     ds, largest = input_pipeline.array_examples(images, labels, image_size=ctx.config.image_size,
                                                 preprocess=preprocess)
-    return ((ex["image"], ex["label"]) for ex in ds.as_numpy_iterator()), largest
+    return runner.as_source(ds, largest)
 
 
 def _accuracy(ctx: Context, step, source: runner.Source, label: str) -> float:
@@ -136,10 +136,10 @@ def imagenet_r(ctx: Context) -> dict:
 def _video_source(ctx: Context, paths, labels, frames: int) -> runner.Source:
     """This host's videos as (uint8 (T, size, size, 3), label), centre-cropped."""
     size = ctx.config.image_size
-    share = np.array_split(np.arange(len(paths)), jax.process_count())
+    rows, largest = input_pipeline.host_share(len(paths))
 
     def videos():
-        for i in share[jax.process_index()]:
+        for i in range(rows.start, rows.stop):
             video = sources.read_video(paths[i])
             if video.shape[0] != frames:
                 raise ValueError(f"{paths[i]} has {video.shape[0]} frames, the other videos of its "
@@ -148,7 +148,7 @@ def _video_source(ctx: Context, paths, labels, frames: int) -> runner.Source:
             left = (video.shape[2] - size) // 2
             yield video[:, top:top + size, left:left + size], labels[i]
 
-    return videos(), max(len(s) for s in share)
+    return videos(), largest
 
 
 def _video_step(ctx: Context):

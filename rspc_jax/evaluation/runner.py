@@ -27,6 +27,11 @@ from rspc_jax.evaluation import protocols
 Source = tuple[Iterator[tuple[np.ndarray, int]], int]
 
 
+def as_source(ds, largest: int) -> Source:
+    """A tf.data of {'image', 'label'} (input_pipeline's eval/file/array examples) as a Source."""
+    return ((ex["image"], ex["label"]) for ex in ds.as_numpy_iterator()), largest
+
+
 class SuiteSkipped(Exception):
     """A suite cannot run here (missing data, unsupported model); the message says why."""
 
@@ -59,7 +64,7 @@ class Context:
             dataset=self.config.dataset, data_dir=self.config.data_dir,
             split=self.config.eval_split or self.spec.eval_split,
             image_size=self.config.image_size, eval_preprocess=self.config.eval_preprocess)
-        return ((ex["image"], ex["label"]) for ex in ds.as_numpy_iterator()), largest
+        return as_source(ds, largest)
 
     def batches(self, source: Optional["Source"] = None, *, transform=None, limit: int = 0,
                 image_shape=None, local_batch: int = 0):
