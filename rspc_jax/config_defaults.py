@@ -125,6 +125,19 @@ def get_default_config() -> ml_collections.ConfigDict:
         patch_fool_patches=1, patch_fool_block=4, patch_fool_steps=250,
     ))
 
+    # Model-robustness analyses (`python -m rspc_jax.analyze`; README "Analyse a model").
+    c.analysis = ml_collections.ConfigDict(dict(
+        batch_size=0,              # global; 0 = eval_batch_size
+        num_examples=0,            # cap on eval examples per pass; 0 = all
+        lesion_samples=25,         # random draws of n removed blocks, per n (Fig. 8)
+        radii=(),                  # restricted-attention distances; () = 0 .. grid side - 1
+        random_mask_seed=0,        # the fixed permutation of the random-mask baseline
+        cls_only_blocks=(),        # k of "no patch-to-patch attention in the first/last k"; () = all
+        max_translation=16.0, translations=9,  # pixels each way, values per axis
+        max_rotation=30.0, rotations=31,       # degrees each way, values
+        spatial_examples=1000,     # the grid attack runs on the first N eval examples
+    ))
+
     # Loop.
     c.log_every_steps = 50
     c.eval_every_steps = 0         # 0 = once per epoch

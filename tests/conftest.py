@@ -11,6 +11,10 @@ import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+# The suite is dominated by XLA compilation of tiny models: LLVM's backend optimisations
+# cost more time than they save here (set before JAX starts; subprocesses get them too).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
 FIXTURES = REPO.parent / "shared" / "reference" / "fixtures"
 
 
@@ -91,7 +95,7 @@ def smoke_config(data_dir: str, **overrides):
 def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cwd=REPO):
     """Runs `python args...` in a fresh process (XLA_FLAGS must be set before JAX starts)."""
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, timeout=timeout,

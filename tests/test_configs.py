@@ -87,6 +87,7 @@ def test_adversarial_cifar_finetuning_smoke_keeps_the_best_fgsm_state(tmp_path):
 def test_rvt_smoke_trains_with_batchnorm_and_paas(digits_data_dir, tmp_path):
     _, config = load(REPO / "configs" / "rvt_b.py", "smoke")
     config.data_dir = digits_data_dir
+    config.image_size = 64  # PAAS sizes its mask at init: the same path as 224 px, 12x fewer pixels
     result = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert result["step"] == 3
     stats = traverse_util.flatten_dict(result["state"].batch_stats)

@@ -68,8 +68,10 @@ def test_rspc_step_remat_and_bfloat16_agree_with_the_default(digits_data_dir, fa
     remat_state, remat = one_step(_config(digits_data_dir, name, dict(overrides, remat=True)))
     for key in COMPARED:
         np.testing.assert_allclose(remat[key], metrics[key], rtol=1e-5, err_msg=key)
+    # Adam's first update is about lr * g / (|g| + eps): float32 rounding in gradients near
+    # eps moves a parameter by far less than lr (~1e-4 here), never by a real divergence's lr.
     for ours, ref in zip(jax.tree.leaves(remat_state.params), jax.tree.leaves(state.params)):
-        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
 
     bf16_state, bf16 = one_step(_config(digits_data_dir, name, overrides,
                                         compute_dtype="bfloat16"))

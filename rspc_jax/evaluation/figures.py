@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def _save(fig, out_dir: str, name: str) -> str:
+def save(fig, out_dir: str, name: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -29,7 +29,7 @@ def occlusion_boxplot(result: dict, out_dir: str) -> str:
     ax.set_ylabel("top-1 accuracy (%)")
     ax.set_title(f"random occlusion, {result['masks_per_image']} masks")
     ax.legend(fontsize=8)
-    return _save(fig, out_dir, "occlusion_boxplot.png")
+    return save(fig, out_dir, "occlusion_boxplot.png")
 
 
 def cos_sim_histogram(per_image: np.ndarray, out_dir: str) -> str:
@@ -40,7 +40,7 @@ def cos_sim_histogram(per_image: np.ndarray, out_dir: str) -> str:
     ax.set_xlabel("attention Cos-Sim (mean over layers and heads)")
     ax.set_ylabel("images")
     ax.legend(fontsize=8)
-    return _save(fig, out_dir, "cos_sim_histogram.png")
+    return save(fig, out_dir, "cos_sim_histogram.png")
 
 
 def attention_maps(maps: dict, out_dir: str) -> list[str]:
@@ -60,7 +60,7 @@ def attention_maps(maps: dict, out_dir: str) -> list[str]:
                     axes[row, layer + 1].set_title(f"layer {layer}", fontsize=8)
         for ax in axes.flat:
             ax.axis("off")
-        paths.append(_save(fig, out_dir, f"attention_maps_{i}.png"))
+        paths.append(save(fig, out_dir, f"attention_maps_{i}.png"))
     return paths
 
 
@@ -75,7 +75,7 @@ def learned_masks(masks: dict, out_dir: str) -> str:
         ax.imshow(np.clip(overlay, 0, 1))
         ax.axis("off")
     fig.suptitle("patches chosen by the corruption model (red)", fontsize=9)
-    return _save(fig, out_dir, "learned_masks.png")
+    return save(fig, out_dir, "learned_masks.png")
 
 
 def corruption_errors(result: dict, out_dir: str, suite: str) -> str:
@@ -92,7 +92,7 @@ def corruption_errors(result: dict, out_dir: str, suite: str) -> str:
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("top-1 error (%)")
     ax.set_title("corruption error (bar: mean over severities, whiskers: min-max)", fontsize=9)
-    return _save(fig, out_dir, f"{suite}_errors.png")
+    return save(fig, out_dir, f"{suite}_errors.png")
 
 
 def adversarial_bars(result: dict, out_dir: str) -> str:
@@ -102,7 +102,7 @@ def adversarial_bars(result: dict, out_dir: str) -> str:
     ax.set_ylabel("top-1 accuracy (%)")
     ax.tick_params(axis="x", rotation=30)
     ax.set_title(f"attacks on {result['num_examples']} images", fontsize=9)
-    return _save(fig, out_dir, "adversarial.png")
+    return save(fig, out_dir, "adversarial.png")
 
 
 def make(suite: str, result: dict, figures: dict, out_dir: str) -> list[str]:

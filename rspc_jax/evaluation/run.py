@@ -41,20 +41,20 @@ def load_variables(config, model, *, workdir, checkpoint, step, ema):
             f"{workdir}/checkpoints/{step}{' (EMA)' if ema else ''}")
 
 
-def build_context(config, model, variables, occ_params=None):
+def build_context(config, model, variables, occ_params=None, settings=None):
     """The suites' runner.Context on a mesh over every device, with training's
-    occlusion noise and clamp."""
+    occlusion noise and clamp; `settings` default config.evaluation."""
     spec = input_pipeline.dataset_spec(config.dataset)
     mesh = parallel.create_mesh()
-    settings = train.step_settings(config, spec)
+    step_settings = train.step_settings(config, spec)
     replicated = parallel.replicated(mesh)
     return runner.Context(
-        config=config, settings=config.evaluation, model=model,
+        config=config, settings=settings or config.evaluation, model=model,
         variables=jax.device_put(variables, replicated),
         occ_params=jax.device_put(occ_params, replicated) if occ_params is not None else None,
         spec=spec, mesh=mesh, patch_size=train.rspc_patch_size(config, model),
-        noise_mean=settings.noise_mean, noise_std=settings.noise_std,
-        lower=settings.clamp_lower, upper=settings.clamp_upper, seed=config.seed)
+        noise_mean=step_settings.noise_mean, noise_std=step_settings.noise_std,
+        lower=step_settings.clamp_lower, upper=step_settings.clamp_upper, seed=config.seed)
 
 
 def evaluate(config, *, workdir=None, checkpoint=None, step=None, ema=False, suites=None,

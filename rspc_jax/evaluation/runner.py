@@ -126,20 +126,47 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def run_pass(ctx: Context, step: Callable, rng, *, label: str, host_fn=None, **batch_args) -> dict:
+def run_pass(ctx: Context, step: Callable, rng, *, label: str, host_fn=None, variables=None,
+             **batch_args) -> dict:
     """Runs `step` over `ctx.batches(**batch_args)`; returns its per-example outputs for
     real examples only, each batch passed through `host_fn` (e.g. logits -> per-video
-    metrics, so that big outputs never pile up on the host)."""
+    metrics, so that big outputs never pile up on the host). `variables` (default
+    ctx.variables) is the step's replicated first argument."""
+    variables = ctx.variables if variables is None else variables
     batches, count = ctx.batches(**batch_args)
     outputs = []
     start = time.time()
     for i, batch in enumerate(batches):
-        out = jax.tree.map(_to_host, step(ctx.variables, batch, jax.random.fold_in(rng, i)))
+        out = jax.tree.map(_to_host, step(variables, batch, jax.random.fold_in(rng, i)))
         keep = _to_host(batch["mask"]) > 0
         out = {k: v[keep] for k, v in out.items()}
         outputs.append(host_fn(out) if host_fn else out)
         _progress(label, i + 1, count, start)
     return {k: np.concatenate([o[k] for o in outputs]) for k in outputs[0]}
+
+
+def sharded_sum(ctx: Context, fn: Callable) -> Callable:
+    """jit(shard_map(fn)) with fn(variables, batch) -> a tree of sums over the device's
+    examples (masked by batch['mask']), added over all devices."""
+
+    def per_device(variables, batch):
+        return jax.tree.map(lambda v: jax.lax.psum(v, parallel.DATA_AXIS), fn(variables, batch))
+
+    return jax.jit(jax.shard_map(per_device, mesh=ctx.mesh, in_specs=(P(), P(parallel.DATA_AXIS)),
+                                 out_specs=P(), check_vma=False))
+
+
+def sum_pass(ctx: Context, step: Callable, *, label: str, **batch_args) -> dict:
+    """Runs a `sharded_sum` step over `ctx.batches(**batch_args)`; the sums over all batches."""
+    batches, count = ctx.batches(**batch_args)
+    total = None
+    start = time.time()
+    for i, batch in enumerate(batches):
+        # The sums are replicated on every device: any local copy holds the value.
+        out = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), step(ctx.variables, batch))
+        total = out if total is None else jax.tree.map(np.add, total, out)
+        _progress(label, i + 1, count, start)
+    return total
 
 
 def _progress(label: str, done: int, total: int, start: float) -> None:
@@ -153,8 +180,6 @@ def _progress(label: str, done: int, total: int, start: float) -> None:
 def correct(logits, labels, k: int = 1):
     top = jax.lax.top_k(logits.astype(jnp.float32), k)[1]
     return (top == labels[:, None]).any(axis=1)
-
-
 
 
 def accuracy_step(ctx: Context, classes=None) -> Callable:

@@ -254,13 +254,14 @@ class PositionalEncodingFourier(nn.Module):
 
 
 class TokenMixing(nn.Module):
-    """Self-attention with split q / kv ([k; v], head-major) projections; q is scaled first."""
+    """Self-attention with split q / kv ([k; v], head-major) projections; q is scaled first.
+    `bias` (N, N) is added to the logits before the softmax (`interventions`)."""
 
     num_heads: int
     qkv_bias: bool = True
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, bias: Optional[jax.Array] = None):
         batch, tokens, dim = x.shape
         head_dim = dim // self.num_heads
         q = _dense(dim, "q", self.qkv_bias)(x).reshape(batch, tokens, self.num_heads, head_dim)
@@ -268,6 +269,8 @@ class TokenMixing(nn.Module):
             batch, tokens, 2, self.num_heads, head_dim)
         k, v = kv[:, :, 0], kv[:, :, 1]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
+        if bias is not None:
+            logits = logits + bias.astype(logits.dtype)
         attn = jax.nn.softmax(logits, axis=-1)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, tokens, dim)
         return _dense(dim, "proj")(out), attn

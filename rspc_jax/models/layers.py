@@ -71,7 +71,8 @@ class Attention(nn.Module):
 
     Returns the output and the post-softmax attention map (B, heads, N, N).
     `paas` adds RVT*'s position-aware attention scaling: a learned `att_mask` (heads, N, N)
-    whose sigmoid multiplies the scaled logits before the softmax. N is the token count at
+    whose sigmoid multiplies the scaled logits before the softmax. `bias` (N, N) is added
+    to the logits before the softmax (-inf-like entries forbid pairs; `interventions`). N is the token count at
     init, so the parameters then fit that input size only (`interop` can interpolate them).
     """
 
@@ -82,7 +83,7 @@ class Attention(nn.Module):
     torch_init: bool = False
 
     @nn.compact
-    def __call__(self, x, *, train: bool):
+    def __call__(self, x, *, train: bool, bias: Optional[jax.Array] = None):
         batch, tokens, dim = x.shape
         if dim % self.num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads {self.num_heads}")
@@ -94,6 +95,8 @@ class Attention(nn.Module):
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * head_dim**-0.5
         if self.paas:
             logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
+        if bias is not None:
+            logits = logits + bias.astype(logits.dtype)
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn_dropped, v).reshape(batch, tokens, dim)
