@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Create, set up, train on and delete a Cloud TPU VM (single host or pod slice).
+# Create, set up, train on, watch, resume and delete a Cloud TPU VM or pod slice.
 #
-#   TPU_NAME=rspc ZONE=europe-west4-a ACCELERATOR=v3-8 launch/tpu_vm.sh create
-#   TPU_NAME=rspc ZONE=europe-west4-a launch/tpu_vm.sh setup
-#   TPU_NAME=rspc ZONE=europe-west4-a TFDS_DATA_DIR=gs://BUCKET/tfds \
-#     launch/tpu_vm.sh train --config=configs/deit_s.py --workdir=gs://BUCKET/runs/deit_s
-#   TPU_NAME=rspc ZONE=europe-west4-a launch/tpu_vm.sh delete
+#   export PROJECT=my-project ZONE=europe-west4-a TPU_NAME=rspc BUCKET=my-bucket
+#   ACCELERATOR=v3-32 launch/tpu_vm.sh create        # SPOT=1: spot capacity; QUEUED=1: queued resource
+#   launch/tpu_vm.sh setup                           # copy this checkout to every worker, install jax[tpu]
+#   launch/tpu_vm.sh train --config=configs/rvt_b.py # all workers, in the background, logs to ~/rspc_train.log
+#   launch/tpu_vm.sh logs                            # stream worker 0's log (Ctrl-C stops watching only)
+#   launch/tpu_vm.sh status                          # READY / PREEMPTED / ...
+#   ACCELERATOR=v3-32 launch/tpu_vm.sh resume --config=configs/rvt_b.py   # after a preemption
+#   launch/tpu_vm.sh delete
 #
-# `--dry-run` before the sub-command prints the gcloud commands instead of running them.
-# Optional: PROJECT (else gcloud's default), SPOT=1 (preemptible capacity). `train` runs
-# on every worker; rerunning it after a preemption resumes from the last checkpoint.
+# `--dry-run` before the sub-command prints the commands instead of running them.
+# Runs write to gs://$BUCKET/rspc_runs/$RUN (RUN defaults to TPU_NAME) and read tfds data
+# from $TFDS_DATA_DIR (default gs://$BUCKET/tfds); a rerun of `train` with the same RUN
+# resumes from the last checkpoint there. RUNTIME overrides the TPU software version.
 set -euo pipefail
 
 DRY_RUN=0
@@ -21,39 +25,88 @@ die() { echo "launch/tpu_vm.sh: $*" >&2; exit 2; }
 need() { [[ -n "${!1:-}" ]] || die "set $1 ($2)"; }
 run() { if [[ $DRY_RUN == 1 ]]; then printf '%q ' "$@"; echo; else "$@"; fi; }
 
-need TPU_NAME "the TPU VM name, e.g. TPU_NAME=rspc"
+case "$COMMAND" in
+  create|setup|train|logs|status|resume|delete) ;;
+  *) die "usage: [--dry-run] {create|setup|train|logs|status|resume|delete} (see the header of this script)" ;;
+esac
+need PROJECT "the Google Cloud project, e.g. PROJECT=my-project"
 need ZONE "a zone with TPU capacity, e.g. ZONE=europe-west4-a"
-GCLOUD=(gcloud compute tpus tpu-vm)
-WHERE=(--zone="$ZONE")
-[[ -n "${PROJECT:-}" ]] && WHERE+=(--project="$PROJECT")
+need TPU_NAME "the TPU VM name, e.g. TPU_NAME=rspc"
+
+WHERE=(--zone="$ZONE" --project="$PROJECT")
+TPU=(gcloud compute tpus tpu-vm)
 REMOTE_DIR=rspc_jax
 VENV='~/rspc_venv'
+LOG='~/rspc_train.log'
+
+runtime_for() {  # the TPU VM software version each generation boots with
+  case "$1" in
+    v5litepod-*|v5e-*) echo v2-alpha-tpuv5-lite ;;
+    v5p-*) echo v2-alpha-tpuv5 ;;
+    v6e-*) echo v2-alpha-tpuv6e ;;
+    *) echo tpu-ubuntu2204-base ;;
+  esac
+}
+
+create() {
+  need ACCELERATOR "the accelerator type, e.g. ACCELERATOR=v3-8, or v3-32 for a pod slice"
+  local runtime="${RUNTIME:-$(runtime_for "$ACCELERATOR")}"
+  local capacity=()
+  [[ "${SPOT:-0}" == 1 ]] && capacity+=(--spot)
+  if [[ "${QUEUED:-0}" == 1 ]]; then
+    run gcloud compute tpus queued-resources create "$TPU_NAME" --node-id="$TPU_NAME" \
+      "${WHERE[@]}" --accelerator-type="$ACCELERATOR" --runtime-version="$runtime" "${capacity[@]}"
+  else
+    run "${TPU[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR" \
+      --version="$runtime" "${capacity[@]}"
+  fi
+}
+
+setup() {
+  run "${TPU[@]}" scp --recurse "$(git rev-parse --show-toplevel)" "$TPU_NAME:~/$REMOTE_DIR" \
+    "${WHERE[@]}" --worker=all
+  run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command \
+    "python3 -m venv $VENV && . $VENV/bin/activate && pip install -q -r $REMOTE_DIR/requirements.txt && pip install -q 'jax[tpu]==0.10.2'"
+}
+
+train() {
+  need BUCKET "the GCS bucket for checkpoints and data, e.g. BUCKET=my-bucket (no gs://)"
+  [[ " $* " == *" --config="* ]] || die "train needs --config=configs/<file>.py (and any --config.<key>=... overrides)"
+  [[ " $* " != *" --workdir="* ]] || die "the workdir is gs://\$BUCKET/rspc_runs/\$RUN; set RUN instead of --workdir"
+  local workdir="gs://$BUCKET/rspc_runs/${RUN:-$TPU_NAME}"
+  local data="${TFDS_DATA_DIR:-gs://$BUCKET/tfds}"
+  local args
+  args=$(printf '%q ' "$@")
+  # nohup: training survives the ssh session; every worker runs the same command and
+  # jax.distributed finds its peers from the TPU metadata.
+  run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command \
+    "cd $REMOTE_DIR && . $VENV/bin/activate && TFDS_DATA_DIR=$data nohup python -m rspc_jax.main ${args}--workdir=$workdir --config.distributed=yes > $LOG 2>&1 &"
+  echo "training in $workdir; watch it with: launch/tpu_vm.sh logs" >&2
+}
 
 case "$COMMAND" in
-  create)
-    need ACCELERATOR "the accelerator type, e.g. ACCELERATOR=v3-8 or v3-32"
-    EXTRA=()
-    [[ "${SPOT:-0}" == 1 ]] && EXTRA+=(--spot)
-    run "${GCLOUD[@]}" create "$TPU_NAME" "${WHERE[@]}" --accelerator-type="$ACCELERATOR" \
-      --version=tpu-ubuntu2204-base "${EXTRA[@]}"
-    ;;
-  setup)
-    run "${GCLOUD[@]}" scp --recurse "$(git rev-parse --show-toplevel)" "$TPU_NAME:~/$REMOTE_DIR" \
-      "${WHERE[@]}" --worker=all
-    run "${GCLOUD[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command \
-      "python3 -m venv $VENV && . $VENV/bin/activate && pip install -q -r $REMOTE_DIR/requirements.txt && pip install -q 'jax[tpu]==0.10.2'"
-    ;;
-  train)
-    need TFDS_DATA_DIR "where the prepared tfds datasets live, e.g. gs://BUCKET/tfds"
-    [[ $# -gt 0 ]] || die "train needs the arguments of rspc_jax.main, e.g. --config=... --workdir=gs://..."
-    ARGS=$(printf '%q ' "$@")
-    run "${GCLOUD[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command \
-      "cd $REMOTE_DIR && . $VENV/bin/activate && TFDS_DATA_DIR=$TFDS_DATA_DIR python -m rspc_jax.main $ARGS--config.distributed=yes"
+  create) create ;;
+  setup) setup ;;
+  train) train "$@" ;;
+  logs) run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=0 --command "tail -n 100 -F $LOG" ;;
+  status) run "${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)' ;;
+  resume)
+    # A preempted (spot) slice must be deleted and recreated; the run resumes from its
+    # last checkpoint in gs://$BUCKET/rspc_runs/$RUN.
+    if [[ $DRY_RUN == 0 ]]; then
+      state=$("${TPU[@]}" describe "$TPU_NAME" "${WHERE[@]}" --format='value(state)' 2>/dev/null || echo MISSING)
+      [[ "$state" != READY ]] || die "$TPU_NAME is READY, not preempted: rerun 'train' to resume on it"
+    fi
+    run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+    create
+    setup
+    train "$@"
     ;;
   delete)
-    run "${GCLOUD[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
-    ;;
-  *)
-    die "usage: [--dry-run] {create|setup|train|delete} (see the header of this script)"
+    if [[ "${QUEUED:-0}" == 1 ]]; then
+      run gcloud compute tpus queued-resources delete "$TPU_NAME" "${WHERE[@]}" --force --quiet
+    else
+      run "${TPU[@]}" delete "$TPU_NAME" "${WHERE[@]}" --quiet
+    fi
     ;;
 esac

@@ -5,8 +5,10 @@
 
 Every variant runs on the same random global batch in the same process (no input
 pipeline), each blocked per step; the table gives compile time, median step time,
-images/s (clean images per step / median) and the step-time ratio to the first
-variant. Variants: 'plain' (no RSPC), 'rspc', or any name of rspc_jax.ablations
+images/s (clean images per step / median), the step-time ratio to the first
+variant, XLA's FLOP count of the step with the model FLOPs utilisation (on GPUs/TPUs),
+XLA's memory estimate and the device's peak memory. Options that matter on accelerators:
+`--config.compute_dtype=bfloat16`, `--config.model.remat=True`; the step donates its state. Variants: 'plain' (no RSPC), 'rspc', or any name of rspc_jax.ablations
 (the adversarial-training baselines of the paper's Fig. 7 among them).
 """
 
@@ -27,8 +29,45 @@ _VARIANTS = flags.DEFINE_string("variants", "plain,rspc", "Comma-separated step 
                                 "plain, rspc or names of rspc_jax.ablations.")
 
 
+# Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
+# GPUs is the TF32 tensor-core peak (XLA's default precision for f32 dots); TPUs have no
+# separate float32 peak. v3 devices are single cores (half a chip); v4+ are whole chips.
+PEAK_FLOPS = (
+    ("H100", 989.4e12, 494.7e12), ("H200", 989.4e12, 494.7e12), ("A100", 312e12, 156e12),
+    ("TPU v3", 61.5e12, None), ("TPU v4", 275e12, None), ("TPU v5 lite", 197e12, None),
+    ("TPU v5e", 197e12, None), ("TPU v5p", 459e12, None), ("TPU v5", 459e12, None),
+    ("TPU v6 lite", 918e12, None), ("TPU v6e", 918e12, None),
+)
+
+
+def peak_flops(device_kind: str, dtype: str):
+    """The device's dense peak for `dtype` ('bfloat16' | 'float32'), or None if unknown."""
+    for name, bf16, fp32 in PEAK_FLOPS:
+        if name in device_kind:
+            return bf16 if dtype == "bfloat16" else fp32
+    return None
+
+
+def _step_flops(compiled) -> float:
+    """FLOPs of one step on one device, from XLA's cost analysis of the compiled step."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return float(analysis.get("flops", 0.0)) if analysis else 0.0
+
+
+def _step_bytes(compiled) -> int:
+    """XLA's estimate of one device's memory for the step: arguments, outputs and
+    temporaries, less the donated buffers that outputs reuse."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
 def time_step(config, spec, batch, steps: int) -> dict:
-    """Compiles and times `steps` train steps of `config` on `batch`."""
+    """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`."""
     from rspc_jax import parallel, train
 
     model = train.build_model(config, spec.num_classes)
@@ -37,18 +76,24 @@ def time_step(config, spec, batch, steps: int) -> dict:
     state = parts.init(jax.random.PRNGKey(config.seed))
     global_batch = parallel.to_global(batch, mesh)
     start = time.perf_counter()
-    state, metrics = parts.train_step(state, global_batch)
-    jax.block_until_ready(metrics)
+    compiled = parts.train_step.lower(state, global_batch).compile()
     compile_sec = time.perf_counter() - start
+    state, metrics = compiled(state, global_batch)  # warm-up: first-run allocations
+    jax.block_until_ready(metrics)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        state, metrics = parts.train_step(state, global_batch)
+        state, metrics = compiled(state, global_batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    flops = _step_flops(compiled)
+    peak = peak_flops(jax.devices()[0].device_kind, config.compute_dtype or "float32")
+    stats = jax.devices()[0].memory_stats() or {}
     return dict(compile_sec=compile_sec, median_sec=median,
-                images_per_sec=config.batch_size / median)
+                images_per_sec=config.batch_size / median, flops=flops,
+                mfu=flops / median / peak if peak and flops else None,
+                step_bytes=_step_bytes(compiled), peak_bytes=stats.get("peak_bytes_in_use"))
 
 
 def main(argv):
@@ -73,11 +118,18 @@ def main(argv):
           f"{jax.device_count()} x {jax.devices()[0].device_kind}, {_STEPS.value} timed steps")
     first = next(iter(results))
     print(f"{'step':<20} {'compile s':>10} {'median step s':>14} {'images/s':>10} "
-          f"{'steps/s':>8} {'x ' + first:>10}")
+          f"{'steps/s':>8} {'x ' + first:>10} {'GFLOP/step':>11} {'MFU':>6} "
+          f"{'XLA MiB':>8} {'peak MiB':>9}")
     for name, r in results.items():
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] else "n/a"
         print(f"{name:<20} {r['compile_sec']:>10.2f} {r['median_sec']:>14.4f} "
               f"{r['images_per_sec']:>10.1f} {1 / r['median_sec']:>8.2f} "
-              f"{r['median_sec'] / results[first]['median_sec']:>10.2f}")
+              f"{r['median_sec'] / results[first]['median_sec']:>10.2f} "
+              f"{r['flops'] / 1e9:>11.4g} {mfu:>6} {r['step_bytes'] / 2**20:>8.0f} {peak:>9}")
+    print("GFLOP/step: XLA's cost analysis of one device's step; MFU against the device's "
+          "dense peak for the compute dtype (n/a where unknown, e.g. CPU); XLA MiB: its "
+          "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators).")
     if {"plain", "rspc"} <= set(results):
         ratio = results["rspc"]["median_sec"] / results["plain"]["median_sec"]
         print(f"ratio rspc/plain step time: {ratio:.2f}")

@@ -63,12 +63,15 @@ class Checkpointer:
 
 def read_saved_state(directory: str, step: Optional[int] = None) -> tuple[int, dict, dict]:
     """(step, state as nested dicts of numpy arrays, meta) of a finished checkpoint, without
-    building the model or its optimizer (export, inspection). `step` None = the latest."""
+    building the model or its optimizer (export, evaluation, inspection). `step` None = the
+    latest. Each host reads whole arrays onto one local device, so a checkpoint written by
+    a pod reads on a single machine and the other way round."""
     if not tf.io.gfile.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory}; pass the --workdir of a "
                                 "training run")
-    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-            read_only=True)) as manager:
+    handlers = dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
+    with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True),
+                               item_handlers=handlers) as manager:
         steps = manager.all_steps()
         if not steps:
             raise FileNotFoundError(f"{directory} holds no finished checkpoint")
@@ -76,8 +79,13 @@ def read_saved_state(directory: str, step: Optional[int] = None) -> tuple[int, d
             step = max(steps)
         elif step not in steps:
             raise ValueError(f"{directory} has no checkpoint of step {step}; it has {sorted(steps)}")
+        # Without a target orbax restores onto the saving run's devices (and refuses any
+        # other topology).
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                              manager.item_metadata(step)["state"])
         restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     return step, jax.device_get(restored["state"]), restored["meta"]
 
 
