@@ -31,6 +31,9 @@ ABLATIONS = {
                      _rspc(objective="ce", lam=1.0)),
     "zero_fill": ("occluded patches set to 0 in the model input instead of uniform noise",
                   _rspc(fill="zero")),
+    "drop_tokens": ("selected patches dropped from the token sequence instead of occluded "
+                    "with noise; alignment over the kept tokens (ViT/DeiT only)",
+                    _rspc(fill="drop")),
     "fgsm_at": ("FGSM adversarial training, eps 4/255, random start (thesis 4.1)",
                 _adversarial("fgsm", 4 / 255)),
     "pgd_at": ("PGD-10 adversarial training, eps 4/255", _adversarial("pgd", 4 / 255, 10)),
@@ -38,8 +41,6 @@ ABLATIONS = {
     "trades2": ("TRADES K=2, eps 1/255 (paper Fig. 7)", _adversarial("trades", 1 / 255, 2)),
     "trades3": ("TRADES K=3, eps 1/255 (paper Fig. 7)", _adversarial("trades", 1 / 255, 3)),
 }
-
-
 
 
 def apply(config, name: str):

@@ -81,6 +81,7 @@ def get_default_config() -> ml_collections.ConfigDict:
         selection="learned",       # 'learned' | 'random' (Table 3 ablation)
         objective="align",         # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
         fill="noise",              # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
+                                   # | 'drop' (removed from the token sequence; ViT/DeiT)
         align_blocks=(),           # () = all backbone blocks
         optimizer=ml_collections.ConfigDict(dict(
             lr=1e-4, momentum=0.9, nesterov=True, weight_decay=0.05, clip_norm=5.0)),

@@ -117,14 +117,26 @@ def normalized_limits(mean: Sequence[float], std: Sequence[float]):
     return (0.0 - mean) / std, (1.0 - mean) / std
 
 
-def alignment_loss(block_outputs: Sequence[jax.Array]) -> jax.Array:
-    """Mean over blocks of mean((F_l(x_hat) - F_l(x))**2); each output is [corrupted; clean]."""
+def alignment_loss(block_outputs: Sequence[jax.Array],
+                   token_keep: Optional[jax.Array] = None) -> jax.Array:
+    """Mean over blocks of mean((F_l(x_hat) - F_l(x))**2); each output is [corrupted; clean].
+
+    With `token_keep` (B, patches) (the token-dropping ablation) the mean runs over the
+    tokens the corrupted half kept; tokens before the patches (a class token) count as kept.
+    """
     if not block_outputs:
         raise ValueError("the model sowed no block outputs; RSPC needs intermediates/block_outputs")
     per_block = []
     for features in block_outputs:
         corrupted, clean = jnp.split(features.astype(jnp.float32), 2, axis=0)
-        per_block.append(jnp.mean(jnp.square(corrupted - clean)))
+        squared = jnp.square(corrupted - clean)
+        if token_keep is None:
+            per_block.append(jnp.mean(squared))
+            continue
+        prefix = squared.shape[1] - token_keep.shape[1]
+        keep = jnp.concatenate([jnp.ones_like(token_keep[:, :prefix]), token_keep], axis=1)
+        weights = keep.astype(jnp.float32)[..., None]
+        per_block.append((weights * squared).sum() / (weights.sum() * squared.shape[-1]))
     return jnp.mean(jnp.stack(per_block))
 
 
@@ -175,22 +187,30 @@ def apply_model(model, params, batch_stats, images, *, compute_dtype=None, **kwa
 
 def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model, occ_model,
               rho, lam, ste_clip, grad_scale, lower, upper, rngs, align_blocks=None,
-              random_scores=None, mask_probe=None, compute_dtype=None, objective="align"):
+              random_scores=None, mask_probe=None, compute_dtype=None, objective="align",
+              drop_tokens=False):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
     official DDP code. Returns (total, aux) with aux holding the parts and new state.
     objective='ce' (ablation) replaces L_align by CE on the occluded images, so C ascends
     lam * CE(x_hat) and the classifier trains on clean and occluded data.
+    drop_tokens (ablation, models with `supports_token_dropping`): the selected patches
+    are dropped from the corrupted half's token sequence instead of filled with noise (the
+    model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
     """
     corrupted, mask = corrupt_batch(
         occ_params, images, noise, occ_model=occ_model, rho=rho, ste_clip=ste_clip,
         grad_scale=grad_scale, lower=lower, upper=upper, random_scores=random_scores,
         mask_probe=mask_probe)
+    token_keep, kwargs = None, {}
+    if drop_tokens:
+        corrupted, token_keep = images, mask
+        kwargs = dict(token_keep=jnp.concatenate([mask, jnp.ones_like(mask)]))
     logits, state = apply_model(
         model, params, batch_stats, jnp.concatenate([corrupted, images]),
         compute_dtype=compute_dtype, train=True, mutable=["intermediates", "batch_stats"],
-        rngs=rngs)
+        rngs=rngs, **kwargs)
     corrupted_logits, clean_logits = jnp.split(logits, 2)
     ce = cross_entropy(clean_logits, targets)
     if objective == "ce":
@@ -199,7 +219,7 @@ def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model,
         block_outputs = state["intermediates"]["block_outputs"]
         if align_blocks is not None:
             block_outputs = [block_outputs[i] for i in align_blocks]
-        align = alignment_loss(block_outputs)
+        align = alignment_loss(block_outputs, token_keep)
     total = ce + lam * align
     aux = dict(ce=ce, align=align, logits=clean_logits, keep=mask,
                batch_stats=state.get("batch_stats", {}))

@@ -32,7 +32,7 @@ _CHOICES = {
     "rspc.clamp": ("imagenet", "dataset", "none"),
     "rspc.selection": ("learned", "random"),
     "rspc.objective": ("align", "ce"),
-    "rspc.fill": ("noise", "zero"),
+    "rspc.fill": ("noise", "zero", "drop"),
     "adversarial.method": adversarial_training.METHODS,
     "adversarial.attack_bn": ("train", "eval"),
     "block_each_step": ("auto", "yes", "no"),
@@ -92,7 +92,18 @@ def rspc_patch_size(config, model) -> int:
     return config.rspc.patch_size or model.patch_size
 
 
-def check_image_size(config, model) -> None:
+def check_model_fits(config, model) -> None:
+    """The image size divides into the model's and RSPC's patches; token dropping has a
+    model that supports it, with one RSPC patch per token."""
+    if config.rspc.enabled and config.rspc.fill == "drop":
+        if not getattr(model, "supports_token_dropping", False):
+            raise ValueError(
+                f"config.rspc.fill='drop' removes tokens from the sequence, which {config.model_name} "
+                "cannot do (RVT, FAN and XCiT mix tokens with convolutions on the token grid); "
+                "use a ViT/DeiT model or fill='noise'/'zero'")
+        if rspc_patch_size(config, model) != model.patch_size:
+            raise ValueError(f"config.rspc.fill='drop' needs rspc.patch_size equal to the model's "
+                             f"token size {model.patch_size}; leave rspc.patch_size at 0")
     sizes = {"model patch_size": model.patch_size}
     if config.rspc.enabled:
         sizes["rspc.patch_size"] = rspc_patch_size(config, model)
@@ -295,7 +306,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     validate_config(config)
     spec = input_pipeline.dataset_spec(config.dataset)
     model = build_model(config, spec.num_classes)
-    check_image_size(config, model)
+    check_model_fits(config, model)
     train_split = config.train_split or spec.train_split
     eval_split = config.eval_split or spec.eval_split
     # Fails with preparation instructions if the dataset is missing.

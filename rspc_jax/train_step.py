@@ -61,7 +61,7 @@ class StepSettings:
     compute_dtype: Any = None  # None = float32; jnp.bfloat16 = bf16 forward, f32 params
     patch_aug: str = "off"     # RVT* patch-wise augmentation: 'off' | 'official' | 'intended'
     rspc_objective: str = "align"  # 'align' (paper) | 'ce' (CE on the occluded images; ablation)
-    fill: str = "noise"        # occluded patches: 'noise' (eq. 1) | 'zero' (ablation)
+    fill: str = "noise"        # occluded patches: 'noise' (eq. 1) | 'zero' | 'drop' (ablations)
     adversarial: Any = None    # adversarial_training.Settings; None = off
     pixel_mean: Any = None     # the dataset's normalisation (adversarial training's pixel space)
     pixel_std: Any = None
@@ -115,7 +115,7 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
     example_ids = device * local_batch + jnp.arange(local_batch)
     if settings.rspc_enabled:
         def noise_of(rng):
-            if settings.fill == "zero":
+            if settings.fill != "noise":  # zeros; 'drop' never shows the filled image
                 return jnp.zeros_like(images)
             uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
             return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
@@ -130,7 +130,8 @@ def _per_device_train_step(state: TrainState, batch, *, model, occ_model, tx, oc
             ste_clip=settings.ste_clip, grad_scale=settings.occ_grad_scale,
             lower=settings.clamp_lower, upper=settings.clamp_upper,
             align_blocks=settings.align_blocks, random_scores=random_scores,
-            compute_dtype=settings.compute_dtype, objective=settings.rspc_objective)
+            compute_dtype=settings.compute_dtype, objective=settings.rspc_objective,
+            drop_tokens=settings.fill == "drop")
 
         def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
             return rspc_loss(params, occ_params, batch_stats, images, targets, noise_of(noise_rng),

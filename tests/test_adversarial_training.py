@@ -10,6 +10,7 @@ import optax
 import pytest
 
 from rspc_jax import ablations
+from rspc_jax import models
 from rspc_jax import adversarial_training as adv
 from rspc_jax import rspc
 from rspc_jax import train
@@ -186,6 +187,80 @@ def test_ce_objective_sends_the_occluded_cross_entropy_to_the_corruption_model(t
         assert float(jnp.abs(b).max()) > 0
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8)
         assert not np.allclose(a, c)
+
+
+def _patch_vit(pool):
+    """A ViT whose tokens are disjoint 8x8 patches (patch stem), so a patch's pixels reach
+    only its own token."""
+    model = models.create("vit_tiny", num_classes=10, width=32, depth=2, num_heads=2,
+                          patch_size=8, pool=pool)
+    images = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 32, 3))
+    return model, model.init(jax.random.PRNGKey(1), images, train=False), images
+
+
+@pytest.mark.parametrize("pool", ["avg", "token"])
+def test_dropped_tokens_leave_no_trace_in_the_kept_ones(pool):
+    model, variables, images = _patch_vit(pool)
+    keep = np.ones((2, 16), np.float32)
+    keep[:, [0, 5, 9]] = 0.0   # patches (0, 0), (1, 1), (2, 1) of the 4x4 grid
+
+    def run(x, token_keep):
+        logits, state = model.apply(variables, x, train=False, token_keep=token_keep,
+                                    mutable=["intermediates"])
+        return logits, state["intermediates"]["block_outputs"]
+
+    logits, blocks = run(images, keep)
+    other = jax.random.normal(jax.random.PRNGKey(2), images.shape)
+    changed = images
+    for row, col in ((0, 0), (1, 1), (2, 1)):
+        window = (slice(None), slice(8 * row, 8 * row + 8), slice(8 * col, 8 * col + 8))
+        changed = changed.at[window].set(other[window])
+    changed_logits, changed_blocks = run(changed, keep)
+    np.testing.assert_allclose(changed_logits, logits, atol=1e-5)
+    prefix = 1 if pool == "token" else 0
+    kept = prefix + np.flatnonzero(keep[0])
+    for ours, ref in zip(changed_blocks, blocks):
+        np.testing.assert_allclose(ours[:, kept], ref[:, kept], atol=1e-5)
+    # Keeping everything is the model itself; a kept patch does reach the output.
+    np.testing.assert_allclose(run(images, np.ones_like(keep))[0],
+                               model.apply(variables, images, train=False), atol=1e-6)
+    assert not np.allclose(run(images.at[:, :8, 8:16].set(0.0), keep)[0], logits, atol=1e-4)
+
+
+def test_token_dropping_aligns_kept_tokens_and_trains_the_corruption_model():
+    model, variables, images = _patch_vit("token")
+    occ_model = rspc.PatchCorruptionModel(8)
+    occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
+    targets = jax.nn.one_hot(jnp.arange(2), 10)
+    common = dict(model=model, occ_model=occ_model, rho=0.25, lam=1.0, ste_clip=None,
+                  grad_scale=1.0, lower=None, upper=None, rngs={}, drop_tokens=True)
+
+    def loss(occ_params):
+        return rspc.rspc_loss(variables["params"], occ_params, {}, images, targets,
+                              jnp.zeros_like(images), **common)
+
+    (total, aux), grads = jax.value_and_grad(loss, has_aux=True)(occ_params)
+    keep = np.asarray(aux["keep"])
+    assert (1 - keep).sum(1).tolist() == [rspc.num_occluded(16, 0.25)] * 2
+    # L_align by hand: the dropped forward against the clean one, over the kept tokens.
+    _, dropped = model.apply(variables, images, train=True, token_keep=keep, mutable=["intermediates"])
+    _, clean = model.apply(variables, images, train=True, mutable=["intermediates"])
+    kept = np.concatenate([[True], keep[0] > 0]), np.concatenate([[True], keep[1] > 0])
+    by_hand = np.mean([np.mean(np.concatenate([np.square(np.asarray(d[b] - c[b]))[kept[b]].ravel()
+                                               for b in range(2)]))
+                       for d, c in zip(dropped["intermediates"]["block_outputs"],
+                                       clean["intermediates"]["block_outputs"])])
+    np.testing.assert_allclose(aux["align"], by_hand, rtol=1e-5)
+    assert float(aux["align"]) > 0
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 0
+
+
+def test_token_dropping_is_refused_for_grid_models():
+    config = smoke_config("", model_name="rvt_tiny", **{"rspc.fill": "drop"})
+    config.model = dict(base_dims=(8, 8), depth=(1, 1), heads=(2, 4))
+    model = train.build_model(config, 10)
+    with pytest.raises(ValueError, match="cannot do .RVT, FAN and XCiT"):
+        train.check_model_fits(config, model)
 
 
 _ABLATION_SCRIPT = """

@@ -19,7 +19,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.py"))
 VARIANTS = {path.name: [None, "plain", "smoke"] for path in CONFIGS}
 VARIANTS.update({
     "ablations.py": ["demo/clean", "rvt_b/random_patches", "fan_b_hybrid/trades2",
-                     "xcit_s12/zero_fill"],
+                     "xcit_s12/zero_fill", "deit_s/drop_tokens"],
     "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
     "cifar10_xcit_s12_adv.py": [None, "smoke"],
 })
@@ -46,7 +46,7 @@ def test_config_validates_and_builds_its_model(name, arg):
     train.validate_config(config)
     spec = input_pipeline.dataset_spec(config.dataset)
     model = train.build_model(config, spec.num_classes)
-    train.check_image_size(config, model)
+    train.check_model_fits(config, model)
     shape = (1, config.image_size, config.image_size, 3)
     variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(shape), train=False))
     assert jax.tree.leaves(variables["params"])

@@ -72,7 +72,10 @@ class Attention(nn.Module):
     Returns the output and the post-softmax attention map (B, heads, N, N).
     `paas` adds RVT*'s position-aware attention scaling: a learned `att_mask` (heads, N, N)
     whose sigmoid multiplies the scaled logits before the softmax. `bias` (N, N) is added
-    to the logits before the softmax (-inf-like entries forbid pairs; `interventions`). N is the token count at
+    to the logits before the softmax (-inf-like entries forbid pairs; `interventions`).
+    `key_keep` (B, N) multiplies each key's attention weight, renormalised over the keys:
+    with 0/1 values, exactly attention over the kept tokens only (RSPC's token-dropping
+    ablation), differentiable in the multipliers. N is the token count at
     init, so the parameters then fit that input size only (`interop` can interpolate them).
     """
 
@@ -83,7 +86,8 @@ class Attention(nn.Module):
     torch_init: bool = False
 
     @nn.compact
-    def __call__(self, x, *, train: bool, bias: Optional[jax.Array] = None):
+    def __call__(self, x, *, train: bool, bias: Optional[jax.Array] = None,
+                 key_keep: Optional[jax.Array] = None):
         batch, tokens, dim = x.shape
         if dim % self.num_heads:
             raise ValueError(f"width {dim} is not divisible by num_heads {self.num_heads}")
@@ -97,7 +101,7 @@ class Attention(nn.Module):
             logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)
-        attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+        attn = _softmax(logits.astype(jnp.float32), key_keep).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn_dropped, v).reshape(batch, tokens, dim)
         out = nn.Dense(dim, **init, name="proj")(out)
@@ -115,6 +119,18 @@ class Attention(nn.Module):
         return self.param("att_mask", dense_init, shape)
 
 
+def _softmax(logits: jax.Array, key_keep: Optional[jax.Array]) -> jax.Array:
+    """Softmax over keys, each key's weight multiplied by key_keep (B, N) and renormalised.
+    The shift is the largest kept logit and dropped logits never reach exp, so a dropped
+    key however large can neither overflow nor underflow the kept ones."""
+    if key_keep is None:
+        return jax.nn.softmax(logits, axis=-1)
+    keep = key_keep[:, None, None, :].astype(logits.dtype)
+    top = jax.lax.stop_gradient(jnp.where(keep > 0, logits, -jnp.inf).max(axis=-1, keepdims=True))
+    weights = jnp.exp(jnp.where(keep > 0, logits, top) - top) * keep
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x += attn(norm1(x)); x += mlp(norm2(x))."""
 
@@ -125,10 +141,11 @@ class Block(nn.Module):
     layernorm_eps: float = 1e-6
 
     @nn.compact
-    def __call__(self, x, train: bool):
+    def __call__(self, x, train: bool, key_keep: Optional[jax.Array] = None):
         drop_path = DropPath(self.drop_path)
         y, attn = Attention(self.num_heads, dropout=self.dropout, name="attn")(
-            nn.LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x), train=train)
+            nn.LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x), train=train,
+            key_keep=key_keep)
         x = x + drop_path(y, train=train)
         y = Mlp(self.mlp_dim, dropout=self.dropout, name="mlp")(
             nn.LayerNorm(epsilon=self.layernorm_eps, name="norm2")(x), train=train)

@@ -6,8 +6,10 @@ Parameter names follow timm's PyTorch attributes (`patch_embed/proj`, `cls_token
 """
 
 import math
+from typing import Optional
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from rspc_jax.models import layers
@@ -36,6 +38,10 @@ class ViT(nn.Module):
       pool: 'token' = final norm then class token (DeiT); 'avg' = mean of patch
         tokens then `fc_norm` (timm global_pool='avg', no class token).
       remat: recompute each block's activations in the backward pass.
+
+    `token_keep` (B, patches) of the call keeps (1) or drops (0) patch tokens: dropped
+    tokens are no key of any attention and leave the mean pool, so the kept tokens see
+    exactly the shorter sequence (RSPC's token-dropping ablation; the class token stays).
     """
 
     num_classes: int
@@ -52,6 +58,7 @@ class ViT(nn.Module):
     remat: bool = False
 
     no_weight_decay_names = ("pos_embed", "cls_token")
+    supports_token_dropping = True  # blocks act on a token set: no convolution on the grid
 
     def _embed(self, images):
         if self.stem == "patch":
@@ -72,7 +79,8 @@ class ViT(nn.Module):
         raise ValueError(f"unknown stem {self.stem!r}; use 'patch' or 'conv'")
 
     @nn.compact
-    def __call__(self, images, *, train: bool, sow_attention: bool = False):
+    def __call__(self, images, *, train: bool, sow_attention: bool = False,
+                 token_keep: Optional[jax.Array] = None):
         height, width = images.shape[1:3]
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(
@@ -89,18 +97,25 @@ class ViT(nn.Module):
         pos = self.param("pos_embed", nn.initializers.truncated_normal(0.02),
                          (1, x.shape[1], self.width))
         x = nn.Dropout(self.dropout, deterministic=not train)(x + pos)
+        if token_keep is not None and self.pool == "token":
+            token_keep = jnp.concatenate([jnp.ones_like(token_keep[:, :1]), token_keep], axis=1)
 
         mlp_dim = int(self.width * self.mlp_ratio)
         block = layers.maybe_remat(layers.Block, self.remat, static_argnums=(2,))
         for i, rate in enumerate(layers.drop_path_rates(self.drop_path_rate, self.depth)):
             x, attn = block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
-                            layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(x, train)
+                            layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(
+                                x, train, token_keep)
             layers.sow_block(self, x, attn, sow_attention)
 
         if self.pool == "token":
             x = nn.LayerNorm(epsilon=self.layernorm_eps, name="norm")(x)[:, 0]
-        else:
+        elif token_keep is None:
             x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(x.mean(axis=1))
+        else:
+            keep = token_keep[..., None].astype(x.dtype)
+            x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(
+                (x * keep).sum(axis=1) / keep.sum(axis=1))
         return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
 
 
