@@ -123,6 +123,7 @@ def get_default_config() -> ml_collections.ConfigDict:
         apgd_iters=100,
         apgd_targets=9,            # targeted APGD-DLR classes after APGD-CE; 0 = APGD-CE only
         adversarial_examples=1000,  # attacks run on the first N eval examples
+        attacks="fgsm,pgd,apgd_ce,autoattack,patch_fool",  # which the adversarial suite runs
         patch_fool_patches=1, patch_fool_block=4, patch_fool_steps=250,
     ))
 

@@ -171,6 +171,7 @@ def attention_stability(ctx: Context) -> dict:
                     "one random mask per image"),
         occluded_patches=occluded, mean_cos_sim=float(per_image.mean()),
         per_image=_distribution(per_image),
+        per_image_values=[round(float(v), 5) for v in per_image],
         per_layer=[float(v) for v in out["cos"].mean(axis=0)], num_examples=int(per_image.size),
         figures=dict(histogram=per_image))
     if not channel:
@@ -204,8 +205,15 @@ def _query_maps(ctx: Context) -> dict:
 # adversarial: FGSM, PGD, APGD-CE, AutoAttack-style cascade, Patch-Fool (pixel space [0,1])
 
 
+ATTACKS = ("fgsm", "pgd", "apgd_ce", "autoattack", "patch_fool")
+
+
 def adversarial(ctx: Context) -> dict:
     s = ctx.settings
+    attacks_run = [a for a in s.attacks.split(",") if a]
+    unknown = sorted(set(attacks_run) - set(ATTACKS))
+    if unknown:
+        raise ValueError(f"config.evaluation.attacks: unknown {unknown}; choose from {ATTACKS}")
     mean, std = jnp.asarray(ctx.spec.mean), jnp.asarray(ctx.spec.std)
     token_attention = type(ctx.model).__name__ != "XCiT"
     if token_attention:  # Patch-Fool's block 4 of a 12-block DeiT; capped for shallow models
@@ -218,20 +226,22 @@ def adversarial(ctx: Context) -> dict:
         y = batch["label"]
         logits_fn = lambda pixels: ctx.logits(variables, (pixels - mean) / std)  # noqa: E731
         keys = jax.random.split(rng, 4)
-        out = dict(clean=runner.correct(logits_fn(x), y),
-                   fgsm=runner.correct(logits_fn(attacks.fgsm(logits_fn, x, y, eps=s.fgsm_eps)), y))
-        x_pgd = attacks.pgd(logits_fn, x, y, keys[0], eps=s.pgd_eps, step_size=s.pgd_step,
-                            steps=s.pgd_steps)
-        out["pgd"] = runner.correct(logits_fn(x_pgd), y)
-        out["pgd_linf"] = jnp.abs(x_pgd - x).max(axis=(1, 2, 3))
-        if s.apgd_targets:
+        out = dict(clean=runner.correct(logits_fn(x), y))
+        if "fgsm" in attacks_run:
+            out["fgsm"] = runner.correct(logits_fn(attacks.fgsm(logits_fn, x, y, eps=s.fgsm_eps)), y)
+        if "pgd" in attacks_run:
+            x_pgd = attacks.pgd(logits_fn, x, y, keys[0], eps=s.pgd_eps, step_size=s.pgd_step,
+                                steps=s.pgd_steps)
+            out["pgd"] = runner.correct(logits_fn(x_pgd), y)
+            out["pgd_linf"] = jnp.abs(x_pgd - x).max(axis=(1, 2, 3))
+        if "autoattack" in attacks_run and s.apgd_targets:
             out["apgd_ce"], out["autoattack"] = attacks.autoattack(
                 logits_fn, x, y, keys[1], eps=s.apgd_eps, n_iter=s.apgd_iters,
                 n_target_classes=s.apgd_targets)
-        else:
+        elif "apgd_ce" in attacks_run or "autoattack" in attacks_run:
             _, out["apgd_ce"] = attacks.apgd(logits_fn, x, y, keys[1], eps=s.apgd_eps,
                                              n_iter=s.apgd_iters)
-        if s.patch_fool_steps and token_attention:
+        if "patch_fool" in attacks_run and s.patch_fool_steps and token_attention:
             attention_fn = lambda pixels: ctx.logits_and_attention(  # noqa: E731
                 variables, (pixels - mean) / std)
             x_fool = attacks.patch_fool(attention_fn, x, y, keys[3], patch_size=ctx.model.patch_size,
@@ -247,7 +257,7 @@ def adversarial(ctx: Context) -> dict:
     accuracy = {k: float(v.mean()) for k, v in out.items() if k != "pgd_linf"}
     return dict(
         accuracy=accuracy, num_examples=int(out["clean"].size),
-        max_pgd_linf=float(out["pgd_linf"].max()),
+        max_pgd_linf=float(out["pgd_linf"].max()) if "pgd_linf" in out else None,
         settings=dict(space="pixels in [0,1], normalisation inside the model",
                       fgsm_eps=s.fgsm_eps, pgd_eps=s.pgd_eps, pgd_step=s.pgd_step,
                       pgd_steps=s.pgd_steps, apgd_eps=s.apgd_eps, apgd_iters=s.apgd_iters,
