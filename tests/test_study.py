@@ -5,7 +5,7 @@ trains nothing again."""
 import importlib.util
 import json
 
-from rspc_jax import study
+from rspc_jax import study_runner
 from tests.conftest import REPO
 
 
@@ -20,7 +20,7 @@ def _smoke_config(data_dir):
 
 def test_smoke_study_writes_results_and_figures(digits_data_dir, tmp_path):
     config = _smoke_config(digits_data_dir)
-    path = study.run_study(config, str(tmp_path), command="smoke")
+    path = study_runner.run_study(config, str(tmp_path), command="smoke")
     results = (tmp_path / "results.md").read_text()
     assert path == str(tmp_path / "results.md")
     for metric in ("clean accuracy", "occluded accuracy, mean over masks",
@@ -40,5 +40,5 @@ def test_smoke_study_writes_results_and_figures(digits_data_dir, tmp_path):
     assert record["results"]["patch_occlusion"]["occluded_patches"] == 2
     # A second invocation finds every run finished and only rewrites the results.
     (tmp_path / "runs" / "clean_s0" / "checkpoints").rename(tmp_path / "moved")
-    study.run_study(config, str(tmp_path), command="smoke")
+    study_runner.run_study(config, str(tmp_path), command="smoke")
     assert not (tmp_path / "runs" / "clean_s0" / "checkpoints").exists()
