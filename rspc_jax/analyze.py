@@ -12,8 +12,9 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
+
+from rspc_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"),
@@ -31,14 +32,7 @@ _OUT = flags.DEFINE_string("out", None, "Output directory; default <workdir>/ana
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    from rspc_jax import parallel
-
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.ERROR)  # orbax logs every read
-    config = _CONFIG.value
-    parallel.maybe_initialize_distributed(config.distributed)
+    config = cli.start(argv, _CONFIG.value)
     from rspc_jax.analysis import run
 
     run.analyze(config, analyses=_ANALYSIS.value, workdir=_WORKDIR.value,

@@ -6,8 +6,9 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
+
+from rspc_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo_study.py"),
@@ -16,17 +17,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs, results.md and 
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not _WORKDIR.value:
         raise app.UsageError("pass --workdir (where the study's runs and results go)")
-    from rspc_jax import parallel
     from rspc_jax import study_runner
 
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.ERROR)
-    config = _CONFIG.value
-    parallel.maybe_initialize_distributed(config.distributed)
+    config = cli.start(argv, _CONFIG.value)
     command = "python -m rspc_jax.study " + " ".join(sys.argv[1:])
     path = study_runner.run_study(config, _WORKDIR.value, command)
     if path:
