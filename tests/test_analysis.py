@@ -14,7 +14,7 @@ from rspc_jax.analysis import attention_masks
 from rspc_jax.analysis import run as analysis_run
 from rspc_jax.analysis import similarity
 from rspc_jax.models import interventions
-from tests.conftest import smoke_config
+from tests.conftest import REPO, run_python, smoke_config
 
 IMAGES = jax.random.normal(jax.random.PRNGKey(1), (3, 32, 32, 3))
 
@@ -229,3 +229,15 @@ def test_more_grid_points_never_raise_robust_accuracy(demo_run, digits_data_dir,
 def test_unknown_analysis_is_named(demo_run, digits_data_dir, tmp_path):
     with pytest.raises(ValueError, match="lesion"):
         _analyze(demo_run, digits_data_dir, tmp_path, "lesions")
+
+
+def test_cli_runs_an_analysis_and_refuses_stray_arguments(demo_run, digits_data_dir, tmp_path):
+    common = ["-m", "rspc_jax.analyze", f"--config={REPO}/configs/demo.py:smoke",
+              f"--workdir={demo_run[0]}", f"--config.data_dir={digits_data_dir}",
+              f"--out={tmp_path}", "--config.analysis.num_examples=16"]
+    result = run_python(common + ["--analysis=layer_correlation"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cka_all:" in result.stdout
+    assert json.loads((tmp_path / "layer_correlation.json").read_text())["num_examples"] == 16
+    stray = run_python(common + ["lesion"], timeout=300)
+    assert stray.returncode != 0 and "unexpected arguments: lesion" in stray.stderr
