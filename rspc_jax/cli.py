@@ -1,8 +1,47 @@
-"""What the checkpoint-reading CLIs (evaluate, analyze, study) do before their work."""
+"""What the checkpoint-reading CLIs (evaluate, analyze, study) share: the flags that name
+the weights to read, and what they do before their work."""
+
+import dataclasses
+import os
 
 from absl import app
 from absl import flags
 from absl import logging
+from ml_collections import config_flags
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFlags:
+    """The flags naming a run's config and the weights to read."""
+
+    config: flags.FlagHolder
+    workdir: flags.FlagHolder
+    checkpoint: flags.FlagHolder
+    step: flags.FlagHolder
+    ema: flags.FlagHolder
+    out: flags.FlagHolder
+
+    def source(self) -> dict:
+        """Keyword arguments of evaluation.run.evaluate / analysis.run.analyze."""
+        return dict(workdir=self.workdir.value, checkpoint=self.checkpoint.value,
+                    step=self.step.value, ema=self.ema.value, out=self.out.value)
+
+
+def define_checkpoint_flags(verb: str, out_dir: str) -> CheckpointFlags:
+    """--config, --workdir, --checkpoint, --step, --ema, --out for a CLI that `verb`s
+    (e.g. 'evaluate') a run's weights and writes to <workdir>/`out_dir` by default."""
+    return CheckpointFlags(
+        config=config_flags.DEFINE_config_file(
+            "config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"),
+            "The run's config file (model, dataset, settings).", lock_config=False),
+        workdir=flags.DEFINE_string("workdir", None, f"Training run whose checkpoint to {verb}; "
+                                    f"results go to <workdir>/{out_dir}."),
+        checkpoint=flags.DEFINE_string("checkpoint", None, f"{verb.capitalize()} this PyTorch/"
+                                       "safetensors/npz checkpoint instead of the workdir's "
+                                       "(rspc_jax.interop)."),
+        step=flags.DEFINE_integer("step", None, "Checkpoint step of the workdir; default: latest."),
+        ema=flags.DEFINE_bool("ema", False, f"{verb.capitalize()} the EMA weights."),
+        out=flags.DEFINE_string("out", None, f"Output directory; default <workdir>/{out_dir}."))
 
 
 def start(argv, config):
