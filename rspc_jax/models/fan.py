@@ -65,11 +65,15 @@ class LayerNorm2d(nn.Module):
 
 
 def _conv(features: int, kernel: int, name: str, *, strides: int = 1, padding: int = 0,
-          groups: int = 1, init: Optional[dict] = None) -> nn.Conv:
-    """nn.Conv with PyTorch's symmetric padding `padding` and the given initialisers."""
-    pad = ((padding, padding), (padding, padding))
-    return nn.Conv(features, (kernel, kernel), strides=strides, padding=pad,
-                   feature_group_count=groups, **(init or {}), name=name)
+          init: Optional[dict] = None) -> layers.Conv:
+    """A conv with PyTorch's symmetric padding `padding` and the given initialisers."""
+    return layers.Conv(features, kernel, strides, padding, **(init or {}), name=name)
+
+
+def _depthwise_conv(features: int, kernel: int, name: str, *, padding: int,
+                    init: dict) -> layers.DepthwiseConv:
+    """PyTorch Conv2d(groups=in_channels) with the given initialisers."""
+    return layers.DepthwiseConv(features, kernel, padding=padding, **init, name=name)
 
 
 def _depthwise_init(kernel: int) -> dict:
@@ -113,8 +117,7 @@ class ConvNeXtBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         dim = x.shape[-1]
-        y = _conv(dim, 7, "conv_dw", padding=3, groups=dim,
-                  init={"kernel_init": layers.dense_init})(x)
+        y = _depthwise_conv(dim, 7, "conv_dw", padding=3, init={"kernel_init": layers.dense_init})(x)
         y = ConvMlp(4 * dim, name="mlp")(LayerNorm2d(unbiased=True, name="norm")(y))
         gamma = self.param("gamma", nn.initializers.constant(CONVNEXT_LAYER_SCALE), (dim,))
         return x + y * gamma
@@ -179,8 +182,8 @@ class ConvBN(nn.Module):
 
     @nn.compact
     def __call__(self, x, *, train: bool):
-        x = nn.Conv(self.features, (3, 3), strides=self.strides, padding=((1, 1), (1, 1)),
-                    use_bias=False, **_torch_conv_init(x.shape[-1], 3), name="0")(x)
+        x = layers.Conv(self.features, 3, self.strides, padding=1, use_bias=False,
+                        **_torch_conv_init(x.shape[-1], 3), name="0")(x)
         return layers.batch_norm(train, self.bn_axis_name, "1")(x)
 
 
@@ -287,9 +290,9 @@ class DWConv(nn.Module):
     def __call__(self, x, grid: tuple[int, int], *, train: bool):
         dim = x.shape[-1]
         init = _torch_conv_init(1, 3) if self.torch_init else _depthwise_init(3)
-        y = _conv(dim, 3, "conv1", padding=1, groups=dim, init=init)(_to_grid(x, grid))
+        y = _depthwise_conv(dim, 3, "conv1", padding=1, init=init)(_to_grid(x, grid))
         y = layers.batch_norm(train, self.bn_axis_name, "bn")(layers.gelu(y))
-        y = _conv(dim, 3, "conv2", padding=1, groups=dim, init=init)(y)
+        y = _depthwise_conv(dim, 3, "conv2", padding=1, init=init)(y)
         return _to_tokens(y)
 
 

@@ -1,7 +1,7 @@
 """Building blocks shared by the transformer models (timm semantics, PyTorch names)."""
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -34,6 +34,134 @@ def batch_norm(train: bool, axis_name: Optional[str], name: str) -> nn.BatchNorm
     """PyTorch BatchNorm2d defaults (momentum 0.1, eps 1e-5) in flax's convention."""
     return nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
                         axis_name=axis_name, name=name)
+
+
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def _windows(x: jax.Array, size: int, strides: int, padding: int, pad_value=0.0):
+    """The size*size strided views of x (NHWC) whose elementwise combination is a
+    size x size window op (conv, pooling), in kernel (row, column) order."""
+    height = (x.shape[1] + 2 * padding - size) // strides + 1
+    width = (x.shape[2] + 2 * padding - size) // strides + 1
+    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)),
+                constant_values=pad_value)
+    return [x[:, i:i + strides * (height - 1) + 1:strides, j:j + strides * (width - 1) + 1:strides]
+            for i in range(size) for j in range(size)]
+
+
+def conv_as_matmul(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """A dense conv (kernel HWIO) as one matrix product over the gathered windows (im2col).
+
+    Hand-written because XLA:CPU's convolutions are far slower than its matrix products
+    (jax 0.10.2, 2-core CPU, forward+backward at batch 16: RVT's 7x7/2 stem conv 0.75 s =
+    7 GFLOP/s; a 1x1 conv 192->768 97 ms, the same product as a matmul 35 ms)."""
+    size = kernel.shape[0]
+    batch, height, width, channels = x.shape
+    if size == strides and padding == 0 and height % size == 0 and width % size == 0:
+        # Non-overlapping windows (patch embeddings, 1x1 convs): a reshape gathers them.
+        patches = x.reshape(batch, height // size, size, width // size, size, channels)
+        patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
+            batch, height // size, width // size, size * size * channels)
+    else:
+        patches = jnp.concatenate(_windows(x, size, strides, padding), axis=-1)
+    return patches @ kernel.reshape(-1, kernel.shape[-1])
+
+
+def conv_reference(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """`conv_as_matmul` as XLA's convolution (what accelerators run)."""
+    return jax.lax.conv_general_dilated(
+        x, kernel, (strides, strides), ((padding, padding), (padding, padding)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+class Conv(nn.Module):
+    """Drop-in for a square `nn.Conv(features, (k, k), strides, padding=p)` with the same
+    parameters: `conv_as_matmul` on CPU, XLA's convolution on GPUs/TPUs."""
+
+    features: int
+    kernel_size: int
+    strides: int = 1
+    padding: int = 0
+    use_bias: bool = True
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, x):
+        size = self.kernel_size
+        kernel = self.param("kernel", self.kernel_init, (size, size, x.shape[-1], self.features))
+        bias = self.param("bias", self.bias_init, (self.features,)) if self.use_bias else None
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias)
+        conv = conv_as_matmul if _on_cpu() else conv_reference
+        y = conv(x, kernel, self.strides, self.padding)
+        return y if bias is None else y + bias
+
+
+def max_pool(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:
+    """PyTorch MaxPool2d (padding counts as -inf). On CPU the maximum of the size*size
+    strided views, since XLA:CPU's pooling gradient (select-and-scatter) took 0.18 s at
+    RVT's stem size (batch 16, 111x111x32); a tie inside a window then shares the gradient
+    equally instead of giving it to one element (ties do not occur in real feature maps)."""
+    if not _on_cpu():
+        pad = ((padding, padding), (padding, padding))
+        return nn.max_pool(x, (size, size), strides=(strides, strides), padding=pad)
+    return functools.reduce(jnp.maximum, _windows(x, size, strides, padding, -jnp.inf))
+
+
+def depthwise_conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """Grouped conv with one group per input channel (PyTorch groups=C_in), kernel
+    (k, k, 1, C_in * m), NHWC: output channel o reads input channel o // m.
+
+    Written as k*k shifted multiply-adds rather than `lax.conv(feature_group_count=C_in)`
+    because XLA:CPU runs grouped convolutions, and far more their gradients, as generic
+    loops: at RVT-Ti's MLP width (768 channels, 14x14, batch 16) the forward+backward took
+    0.90 s as a grouped conv and 0.08 s as shifted products (jax 0.10.2, 2-core CPU).
+    The sum is exact elementwise arithmetic, so the result matches the conv to rounding.
+    """
+    multiplier = kernel.shape[-1] // x.shape[-1]
+    if multiplier > 1:
+        x = jnp.repeat(x, multiplier, axis=-1)
+    size = kernel.shape[0]
+    windows = _windows(x, size, strides, padding)
+    return functools.reduce(jnp.add, [w * kernel[i // size, i % size, 0]
+                                      for i, w in enumerate(windows)])
+
+
+def grouped_conv_reference(x: jax.Array, kernel: jax.Array, strides: int,
+                           padding: int) -> jax.Array:
+    """`depthwise_conv` as XLA's grouped convolution (what accelerators run)."""
+    return jax.lax.conv_general_dilated(
+        x, kernel, (strides, strides), ((padding, padding), (padding, padding)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=x.shape[-1])
+
+
+class DepthwiseConv(nn.Module):
+    """Drop-in for `nn.Conv(features, (k, k), feature_group_count=C_in, padding=p)`: the
+    same parameters (kernel (k, k, 1, features), bias), so checkpoints and the PyTorch
+    layout are unchanged. On CPU it computes `depthwise_conv` (shifted products); on
+    GPUs/TPUs XLA's grouped convolution, which their compilers run well."""
+
+    features: int
+    kernel_size: int
+    strides: int = 1
+    padding: int = 0
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    bias_init: Callable = nn.initializers.zeros
+
+    @nn.compact
+    def __call__(self, x):
+        channels = x.shape[-1]
+        if self.features % channels:
+            raise ValueError(f"a depthwise conv needs output channels ({self.features}) that "
+                             f"are a multiple of its input channels ({channels})")
+        kernel = self.param("kernel", self.kernel_init,
+                            (self.kernel_size, self.kernel_size, 1, self.features))
+        bias = self.param("bias", self.bias_init, (self.features,))
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias)
+        conv = depthwise_conv if _on_cpu() else grouped_conv_reference
+        return conv(x, kernel, self.strides, self.padding) + bias
 
 
 class DropPath(nn.Module):

@@ -28,12 +28,17 @@ LAYERNORM_EPS = 1e-6
 
 
 def _conv(features: int, kernel: int, in_channels: int, name: str, strides: int = 1,
-          padding="VALID", groups: int = 1) -> nn.Conv:
-    """nn.Conv with PyTorch's default init; explicit paddings equal PyTorch's."""
-    fan_in = in_channels // groups * kernel * kernel
-    return nn.Conv(features, (kernel, kernel), strides=strides, padding=padding,
-                   feature_group_count=groups, **layers.linear_init(fan_in, torch_init=True),
-                   name=name)
+          padding: int = 0) -> layers.Conv:
+    """A conv with PyTorch's default init and symmetric padding."""
+    init = layers.linear_init(in_channels * kernel * kernel, torch_init=True)
+    return layers.Conv(features, kernel, strides, padding, **init, name=name)
+
+
+def _depthwise_conv(features: int, kernel: int, name: str, strides: int = 1,
+                    padding: int = 0) -> layers.DepthwiseConv:
+    """PyTorch Conv2d(groups=in_channels) with its default init (fan_in = k * k)."""
+    init = layers.linear_init(kernel * kernel, torch_init=True)
+    return layers.DepthwiseConv(features, kernel, strides, padding, **init, name=name)
 
 
 class ConvEmbedding(nn.Module):
@@ -44,11 +49,9 @@ class ConvEmbedding(nn.Module):
 
     @nn.compact
     def __call__(self, images, *, train: bool):
-        x = _conv(STEM_CHANNELS, 7, images.shape[-1], strides=2, padding=((2, 2), (2, 2)),
-                  name="proj_0")(images)
+        x = _conv(STEM_CHANNELS, 7, images.shape[-1], strides=2, padding=2, name="proj_0")(images)
         x = layers.batch_norm(train, self.bn_axis_name, "proj_1")(x)
-        # flax pads max-pool windows with -inf, as PyTorch does.
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        x = layers.max_pool(x, 3, strides=2, padding=1)
         return _conv(self.out_channels, 4, STEM_CHANNELS, strides=4, name="proj_3")(x)
 
 
@@ -67,7 +70,7 @@ class ConvMlp(nn.Module):
         x = x.reshape(batch, *grid, dim)  # row-major tokens -> NHWC
         x = layers.batch_norm(train, self.bn_axis_name, "bn1")(_conv(hidden, 1, dim, name="fc1")(x))
         x = nn.Dropout(self.dropout, deterministic=not train)(layers.gelu(x))
-        x = _conv(hidden, 3, hidden, padding=((1, 1), (1, 1)), groups=hidden, name="dwconv")(x)
+        x = _depthwise_conv(hidden, 3, padding=1, name="dwconv")(x)
         x = layers.gelu(layers.batch_norm(train, self.bn_axis_name, "bn2")(x))
         x = layers.batch_norm(train, self.bn_axis_name, "bn3")(_conv(dim, 1, hidden, name="fc2")(x))
         x = nn.Dropout(self.dropout, deterministic=not train)(x)
@@ -137,9 +140,7 @@ class ConvHeadPooling(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        channels = x.shape[-1]
-        return _conv(self.out_channels, 3, channels, strides=2, padding=((1, 1), (1, 1)),
-                     groups=channels, name="conv")(x)
+        return _depthwise_conv(self.out_channels, 3, strides=2, padding=1, name="conv")(x)
 
 
 class RVT(nn.Module):

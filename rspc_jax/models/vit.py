@@ -24,8 +24,7 @@ class PatchEmbed(nn.Module):
 
     @nn.compact
     def __call__(self, images):
-        return nn.Conv(self.width, (self.patch_size,) * 2, strides=self.patch_size,
-                       padding="VALID", name="proj")(images)
+        return layers.Conv(self.width, self.patch_size, self.patch_size, name="proj")(images)
 
 
 class ViT(nn.Module):
@@ -71,8 +70,7 @@ class ViT(nn.Module):
             x = images
             for i in range(num_convs):
                 channels = self.width // 2 ** (num_convs - 1 - i)
-                x = nn.Conv(channels, (3, 3), strides=2, padding=((1, 1), (1, 1)),
-                            name=f"stem_conv{i}")(x)
+                x = layers.Conv(channels, 3, strides=2, padding=1, name=f"stem_conv{i}")(x)
                 if i < num_convs - 1:
                     x = layers.gelu(x)
             return x

@@ -1,0 +1,98 @@
+"""The CPU forms of the models' window ops (convolutions as im2col matrix products,
+depthwise convolutions as shifted products, max-pooling as a maximum of shifted views)
+against XLA's convolution and pooling (the accelerator path): values, gradients and
+parameter layouts."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rspc_jax.models import layers
+
+def _assert_same_values_and_gradients(fn, expected_fn, *args):
+    key_t = jax.random.PRNGKey(7)
+    expected = expected_fn(*args)
+    got = fn(*args)
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    target = jax.random.normal(key_t, expected.shape)
+    argnums = tuple(range(len(args)))
+    grads = jax.grad(lambda *a: jnp.sum(fn(*a) * target), argnums)(*args)
+    expected_grads = jax.grad(lambda *a: jnp.sum(expected_fn(*a) * target), argnums)(*args)
+    for g, e in zip(grads, expected_grads):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
+
+
+DENSE_CASES = {  # name: (in, out, kernel, strides, padding, size)
+    "rvt_stem_7x7_stride2": (3, 8, 7, 2, 2, 20),
+    "patch_embedding_4x4_stride4": (4, 6, 4, 4, 0, 16),
+    "pointwise_1x1": (5, 7, 1, 1, 0, 6),
+    "conv_stem_3x3_stride2": (3, 4, 3, 2, 1, 9),
+    "windows_not_dividing_the_image": (2, 3, 3, 3, 0, 8),
+}
+
+
+@pytest.mark.parametrize("case", DENSE_CASES)
+def test_convolution_as_matrix_product_equals_xla_convolution(case):
+    channels, features, size, strides, padding, spatial = DENSE_CASES[case]
+    key_x, key_k = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(key_x, (2, spatial, spatial, channels))
+    kernel = jax.random.normal(key_k, (size, size, channels, features))
+    _assert_same_values_and_gradients(
+        lambda x, k: layers.conv_as_matmul(x, k, strides, padding),
+        lambda x, k: layers.conv_reference(x, k, strides, padding), x, kernel)
+
+
+def test_conv_module_has_the_nn_conv_parameters_and_output():
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 9, 3))
+    reference = nn.Conv(4, (3, 3), strides=2, padding=((1, 1), (1, 1)), use_bias=False)
+    conv = layers.Conv(4, 3, strides=2, padding=1, use_bias=False)
+    variables = reference.init(jax.random.PRNGKey(2), x)
+    assert jax.tree.map(jnp.shape, conv.init(jax.random.PRNGKey(2), x)) == \
+        jax.tree.map(jnp.shape, variables)
+    np.testing.assert_allclose(conv.apply(variables, x), reference.apply(variables, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_max_pool_as_shifted_maximum_equals_flax_max_pool():
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, 11, 11, 4))  # no ties
+    _assert_same_values_and_gradients(
+        lambda x: layers.max_pool(x, 3, 2, 1),
+        lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1))), x)
+
+
+CASES = {  # name: (channels, multiplier, kernel, strides, padding, size)
+    "rvt_mlp_3x3": (6, 1, 3, 1, 1, 7),
+    "rvt_pooling_stride2_x2": (4, 2, 3, 2, 1, 7),
+    "fan_convnext_7x7": (5, 1, 7, 1, 3, 8),
+    "unpadded_stride2": (3, 3, 3, 2, 0, 9),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_shifted_products_equal_the_grouped_convolution_and_its_gradients(case):
+    channels, multiplier, size, strides, padding, spatial = CASES[case]
+    key_x, key_k = jax.random.split(jax.random.PRNGKey(0))
+    x = jax.random.normal(key_x, (2, spatial, spatial, channels))
+    kernel = jax.random.normal(key_k, (size, size, 1, channels * multiplier))
+    _assert_same_values_and_gradients(
+        lambda x, k: layers.depthwise_conv(x, k, strides, padding),
+        lambda x, k: layers.grouped_conv_reference(x, k, strides, padding), x, kernel)
+
+
+def test_depthwise_conv_module_has_the_grouped_nn_conv_parameters_and_output():
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 6, 4))
+    grouped = nn.Conv(8, (3, 3), strides=2, padding=((1, 1), (1, 1)), feature_group_count=4)
+    depthwise = layers.DepthwiseConv(8, 3, strides=2, padding=1)
+    variables = grouped.init(jax.random.PRNGKey(2), x)
+    assert jax.tree.map(jnp.shape, depthwise.init(jax.random.PRNGKey(2), x)) == \
+        jax.tree.map(jnp.shape, variables)
+    np.testing.assert_allclose(depthwise.apply(variables, x), grouped.apply(variables, x),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_output_channels_must_be_a_multiple_of_the_input_channels():
+    with pytest.raises(ValueError, match="multiple of its input channels"):
+        layers.DepthwiseConv(6, 3).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 4)))
