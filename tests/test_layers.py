@@ -25,6 +25,12 @@ def _assert_same_values_and_gradients(fn, expected_fn, *args):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4)
 
 
+def _input_and_kernel(spatial: int, channels: int, kernel_shape: tuple[int, ...]):
+    key_x, key_k = jax.random.split(jax.random.PRNGKey(0))
+    return (jax.random.normal(key_x, (2, spatial, spatial, channels)),
+            jax.random.normal(key_k, kernel_shape))
+
+
 DENSE_CASES = {  # name: (in, out, kernel, strides, padding, size)
     "rvt_stem_7x7_stride2": (3, 8, 7, 2, 2, 20),
     "patch_embedding_4x4_stride4": (4, 6, 4, 4, 0, 16),
@@ -37,9 +43,7 @@ DENSE_CASES = {  # name: (in, out, kernel, strides, padding, size)
 @pytest.mark.parametrize("case", DENSE_CASES)
 def test_convolution_as_matrix_product_equals_xla_convolution(case):
     channels, features, size, strides, padding, spatial = DENSE_CASES[case]
-    key_x, key_k = jax.random.split(jax.random.PRNGKey(0))
-    x = jax.random.normal(key_x, (2, spatial, spatial, channels))
-    kernel = jax.random.normal(key_k, (size, size, channels, features))
+    x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
     _assert_same_values_and_gradients(
         lambda x, k: layers.conv_as_matmul(x, k, strides, padding),
         lambda x, k: layers.conv_reference(x, k, strides, padding), x, kernel)
@@ -74,9 +78,7 @@ CASES = {  # name: (channels, multiplier, kernel, strides, padding, size)
 @pytest.mark.parametrize("case", CASES)
 def test_shifted_products_equal_the_grouped_convolution_and_its_gradients(case):
     channels, multiplier, size, strides, padding, spatial = CASES[case]
-    key_x, key_k = jax.random.split(jax.random.PRNGKey(0))
-    x = jax.random.normal(key_x, (2, spatial, spatial, channels))
-    kernel = jax.random.normal(key_k, (size, size, 1, channels * multiplier))
+    x, kernel = _input_and_kernel(spatial, channels, (size, size, 1, channels * multiplier))
     _assert_same_values_and_gradients(
         lambda x, k: layers.depthwise_conv(x, k, strides, padding),
         lambda x, k: layers.grouped_conv_reference(x, k, strides, padding), x, kernel)
