@@ -20,8 +20,13 @@ def get_default_config() -> ml_collections.ConfigDict:
     # BatchNorm batch statistics over all devices instead of per device (official: per GPU).
     c.bn_cross_device = False
     # Forward-pass dtype; 'bfloat16' keeps float32 params and optimizer state (TPU speed and
-    # memory). Rematerialisation per block is a model override: `model.remat=True`.
+    # memory).
     c.compute_dtype = "float32"
+    # Execution options of the model that leave its parameters unchanged (so a checkpoint
+    # loads either way): recompute each block's activations in the backward pass (memory),
+    # and run ViT/DeiT blocks as one scan (compile time).
+    c.remat = False
+    c.scan_blocks = False
 
     # Data (tfds builder names; TFDS_DATA_DIR or `data_dir` says where prepared data lives).
     c.dataset = "sklearn_digits"

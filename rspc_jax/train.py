@@ -83,6 +83,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 def build_model(config, num_classes: int):
     overrides = dict(config.model)
     model = models.create(config.model_name, num_classes=num_classes, **overrides)
+    for option in ("remat", "scan_blocks"):
+        if config.get(option):
+            if not models.has_field(model, option):
+                raise ValueError(f"config.{option}=True: {config.model_name} has no {option} "
+                                 "option (scan_blocks: ViT/DeiT models only); set it to False")
+            model = model.clone(**{option: True})
     if config.bn_cross_device and models.has_field(model, "bn_axis_name"):
         model = model.clone(bn_axis_name=parallel.DATA_AXIS)
     return model

@@ -57,3 +57,19 @@ def test_train_needs_a_config_and_an_unknown_command_shows_the_usage():
     assert "needs --config" in _launch("--dry-run", "train", **POD).stderr
     unknown = _launch("--dry-run", "launch", **POD)
     assert unknown.returncode == 2 and "usage:" in unknown.stderr
+
+
+def test_accelerator_benchmark_script_runs_every_table_row(tmp_path):
+    """With `echo` as its Python, the script logs the benchmark command of each row."""
+    log = tmp_path / "bench.log"
+    result = subprocess.run(["bash", str(REPO / "launch" / "benchmark_accelerator.sh"), str(log)],
+                            cwd=REPO, env={**os.environ, "PYTHON": "echo", "BATCH": "64"},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    runs = [line for line in log.read_text().splitlines()
+            if line.startswith("-m rspc_jax.benchmark --steps=10 ")]
+    assert len(runs) == 9
+    assert runs[0].endswith("--config=configs/rvt_ti.py --batch=8")
+    for config in ("deit_s", "rvt_s", "fan_s_hybrid"):
+        rows = [r for r in runs if f"--config=configs/{config}.py --batch=64" in r]
+        assert len(rows) == 2 and sum("compute_dtype=bfloat16" in r for r in rows) == 1

@@ -83,6 +83,34 @@ def test_rspc_step_remat_and_bfloat16_agree_with_the_default(digits_data_dir, fa
                 if jnp.issubdtype(leaf.dtype, jnp.floating)} <= {jnp.dtype(jnp.float32)}
 
 
+def test_rspc_step_with_scanned_blocks_equals_the_unrolled_step(digits_data_dir):
+    """config.scan_blocks runs the same blocks over the same stored parameters, so without
+    drop path (whose masks it draws from other keys) one RSPC step gives the same result."""
+    name, overrides = FAMILIES["vit"]
+    config = _config(digits_data_dir, name, overrides)
+    config.model.drop_path_rate = 0.0
+    one_step = _one_step_from_a_shared_start(config)
+    state, metrics = one_step(config)
+    scanned = config.copy_and_resolve_references()
+    scanned.scan_blocks = True
+    scanned_state, scanned_metrics = one_step(scanned)
+    for key in COMPARED:
+        np.testing.assert_allclose(scanned_metrics[key], metrics[key], rtol=1e-5, err_msg=key)
+    for tree, ref in ((scanned_state.params, state.params),
+                      (scanned_state.occ_params, state.occ_params)):
+        assert jax.tree.structure(tree) == jax.tree.structure(ref)
+        for ours, theirs in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_scan_blocks_on_a_model_without_it_is_refused(digits_data_dir):
+    name, overrides = FAMILIES["rvt"]
+    config = _config(digits_data_dir, name, overrides)
+    config.scan_blocks = True
+    with pytest.raises(ValueError, match="rvt_tiny has no scan_blocks option"):
+        train.build_model(config, 10)
+
+
 def test_unknown_compute_dtype_is_refused(digits_data_dir):
     config = smoke_config(digits_data_dir, compute_dtype="float16")
     with pytest.raises(ValueError, match="compute_dtype='float16' is not one of"):

@@ -167,11 +167,11 @@ class DepthwiseConv(nn.Module):
 class DropPath(nn.Module):
     """Per-sample stochastic depth (timm `DropPath`): drops the whole residual branch."""
 
-    rate: float
+    rate: float  # or a traced scalar (a scanned block's rate)
 
     @nn.compact
     def __call__(self, x, *, train: bool):
-        if not train or self.rate == 0.0:
+        if not train or (isinstance(self.rate, float) and self.rate == 0.0):
             return x
         keep = 1.0 - self.rate
         shape = (x.shape[0],) + (1,) * (x.ndim - 1)

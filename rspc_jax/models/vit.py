@@ -37,6 +37,8 @@ class ViT(nn.Module):
       pool: 'token' = final norm then class token (DeiT); 'avg' = mean of patch
         tokens then `fc_norm` (timm global_pool='avg', no class token).
       remat: recompute each block's activations in the backward pass.
+      scan_blocks: run the blocks as one `lax.scan` over their stacked parameters, so
+        XLA compiles one block instead of `depth` (compile time; see `_scanned_blocks`).
 
     `token_keep` (B, patches) of the call keeps (1) or drops (0) patch tokens: dropped
     tokens are no key of any attention and leave the mean pool, so the kept tokens see
@@ -55,6 +57,7 @@ class ViT(nn.Module):
     dropout: float = 0.0
     layernorm_eps: float = 1e-6
     remat: bool = False
+    scan_blocks: bool = False
 
     no_weight_decay_names = ("pos_embed", "cls_token")
     supports_token_dropping = True  # blocks act on a token set: no convolution on the grid
@@ -99,12 +102,16 @@ class ViT(nn.Module):
             token_keep = jnp.concatenate([jnp.ones_like(token_keep[:, :1]), token_keep], axis=1)
 
         mlp_dim = int(self.width * self.mlp_ratio)
-        block = layers.maybe_remat(layers.Block, self.remat, static_argnums=(2,))
-        for i, rate in enumerate(layers.drop_path_rates(self.drop_path_rate, self.depth)):
-            x, attn = block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
-                            layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(
-                                x, train, token_keep)
-            layers.sow_block(self, x, attn, sow_attention)
+        rates = layers.drop_path_rates(self.drop_path_rate, self.depth)
+        if self.scan_blocks and not self.is_initializing():
+            x = self._scanned_blocks(x, rates, mlp_dim, train, token_keep, sow_attention)
+        else:
+            block = layers.maybe_remat(layers.Block, self.remat, static_argnums=(2,))
+            for i, rate in enumerate(rates):
+                x, attn = block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
+                                layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(
+                                    x, train, token_keep)
+                layers.sow_block(self, x, attn, sow_attention)
 
         if self.pool == "token":
             x = nn.LayerNorm(epsilon=self.layernorm_eps, name="norm")(x)[:, 0]
@@ -115,6 +122,40 @@ class ViT(nn.Module):
             x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(
                 (x * keep).sum(axis=1) / keep.sum(axis=1))
         return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
+
+
+    def _scanned_blocks(self, x, rates, mlp_dim, train, token_keep, sow_attention):
+        """The blocks as one `lax.scan` of a single block over their stacked parameters.
+
+        Written with `lax.scan` over the stored `blocks_{i}` rather than `nn.scan`, which
+        would store the parameters stacked: this way checkpoints, export, the optimizer's
+        weight-decay mask and interventions see the same tree with the option on or off,
+        and a run can switch it at any time. Init runs the unrolled blocks. Each block's
+        dropout/drop-path key is the model's key folded with the block index, so the masks
+        differ from the unrolled model's (the same distribution)."""
+        params = [self.variables["params"][f"blocks_{i}"] for i in range(self.depth)]
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
+        dropout_key = self.make_rng("dropout") if train else None
+        # A rate of exactly 0 skips drop path; a traced per-block rate cannot.
+        varying_rate = self.drop_path_rate > 0
+
+        def body(carry, layer):
+            block_params, rate, index = layer
+            block = layers.Block(self.num_heads, mlp_dim, drop_path=rate if varying_rate else 0.0,
+                                 dropout=self.dropout, layernorm_eps=self.layernorm_eps,
+                                 parent=None)
+            rngs = {"dropout": jax.random.fold_in(dropout_key, index)} if train else {}
+            out, attn = block.apply({"params": block_params}, carry, train, token_keep, rngs=rngs)
+            return out, (out, attn if sow_attention else None)
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        _, (outputs, attention) = jax.lax.scan(
+            body, x, (stacked, jnp.asarray(rates, jnp.float32), jnp.arange(self.depth)))
+        for i in range(self.depth):
+            layers.sow_block(self, outputs[i], None if attention is None else attention[i],
+                             sow_attention)
+        return outputs[-1]
 
 
 def _variant(width: int, depth: int, num_heads: int, patch_size: int,
