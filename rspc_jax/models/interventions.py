@@ -65,7 +65,7 @@ def apply(model: nn.Module, variables, images, intervention: Intervention, **kwa
     if getattr(model, "scan_blocks", False):
         # The scan traces one block for all, so per-block interception cannot tell them apart.
         raise ValueError("interventions (lesions, attention masks) need the blocks unrolled: "
-                         "use model.scan_blocks=False (the parameters are the same, so any "
+                         "set config.scan_blocks=False (the parameters are the same, so any "
                          "checkpoint of the scanned model loads)")
     block_index = {}   # block path -> forward-order index (remat may call a block twice)
     enclosing = []     # (index, path) of the block being called

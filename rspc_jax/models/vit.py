@@ -123,7 +123,6 @@ class ViT(nn.Module):
                 (x * keep).sum(axis=1) / keep.sum(axis=1))
         return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
 
-
     def _scanned_blocks(self, x, rates, mlp_dim, train, token_keep, sow_attention):
         """The blocks as one `lax.scan` of a single block over their stacked parameters.
 
@@ -132,7 +131,8 @@ class ViT(nn.Module):
         weight-decay mask and interventions see the same tree with the option on or off,
         and a run can switch it at any time. Init runs the unrolled blocks. Each block's
         dropout/drop-path key is the model's key folded with the block index, so the masks
-        differ from the unrolled model's (the same distribution)."""
+        differ from the unrolled model's (the same distribution). The price is one copy of the
+        block parameters into the stack per call."""
         params = [self.variables["params"][f"blocks_{i}"] for i in range(self.depth)]
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *params)
         dropout_key = self.make_rng("dropout") if train else None
