@@ -161,5 +161,6 @@ def variant_config(config, name: str):
         return config
     return ablations.apply(config, name)
 
+
 if __name__ == "__main__":
     app.run(main)
