@@ -1,0 +1,92 @@
+"""Export a training run's weights for PyTorch (timm, the official RVT/FAN/RSPC code);
+the CLI is `python -m rspc_jax.export`.
+
+* RVT and FAN: the container the official test scripts load with timm's
+  `load_checkpoint` (strict): {'state_dict', 'state_dict_ema' (when the run kept an EMA),
+  'arch'}, written with `torch.save`.
+* ViT/DeiT, XCiT and the rest: a bare state dict for
+  `timm.create_model(arch).load_state_dict(sd, strict=True)`; `--ema` picks the EMA weights.
+* `--format=safetensors` (or an `.safetensors` --out): one set of weights (raw, or EMA with
+  `--ema`), arch and step in the metadata; needs no torch.
+* `--corruption_out=FILE`: RSPC's corruption model under the official keys
+  (`patch_embed.weight`, `fc.weight`), as the official `occlusion/*.pth.tar` holds them.
+"""
+
+import json
+import os
+
+import ml_collections
+import tensorflow as tf
+
+from rspc_jax import models
+from rspc_jax.data import specs as datasets
+from rspc_jax.interop import checkpoints, state_dicts
+from rspc_jax.models import fan, rvt
+
+
+def official_container(model) -> bool:
+    """RVT and FAN checkpoints travel in timm's CheckpointSaver dict; the others bare."""
+    return isinstance(model, (rvt.RVT, fan.FAN))
+
+
+def export(
+    workdir: str, out: str, *, step=None, ema: bool = False, fmt: str = "auto", corruption_out=None
+) -> str:
+    """Writes the export of run `workdir`; returns a one-line summary."""
+    config_path = os.path.join(workdir, "config.json")
+    if not tf.io.gfile.exists(config_path):
+        raise FileNotFoundError(f"{config_path} not found; --workdir must be a training run")
+    with tf.io.gfile.GFile(config_path) as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    model = models.from_config(config, datasets.dataset_spec(config.dataset).num_classes)
+    step, state, _ = checkpoints.read_model_state(
+        os.path.join(workdir, "checkpoints"),
+        step,
+        model=model,
+        model_name=config.model_name,
+        image_size=config.image_size,
+    )
+    has_ema = bool(state.get("ema_params"))
+    if ema and not has_ema:
+        raise ValueError(
+            f"run {workdir} kept no EMA (ema_decay = {config.ema_decay}); export without --ema"
+        )
+    batch_stats = state.get("batch_stats") or {}
+    raw = state_dicts.export_state_dict(dict(params=state["params"], batch_stats=batch_stats))
+    averaged = (
+        state_dicts.export_state_dict(dict(params=state["ema_params"], batch_stats=batch_stats))
+        if has_ema
+        else None
+    )
+    chosen = averaged if ema else raw
+    safetensors = fmt == "safetensors" or (fmt == "auto" and out.endswith(".safetensors"))
+    if safetensors:
+        state_dicts.save_safetensors(
+            out,
+            chosen,
+            metadata=dict(arch=config.model_name, step=str(step), weights="ema" if ema else "raw"),
+        )
+        what = "state dict"
+    elif official_container(model):
+        payload = dict(state_dict=raw, arch=config.model_name)
+        if has_ema:
+            payload["state_dict_ema"] = averaged
+        state_dicts.save_torch(out, payload)
+        what = "{'state_dict'" + (", 'state_dict_ema'" if has_ema else "") + ", 'arch'}"
+    else:
+        state_dicts.save_torch(out, chosen)
+        what = "state dict"
+    summary = (
+        f"Exported {config.model_name} step {step} ({'EMA' if ema else 'raw'} weights, "
+        f"{len(chosen)} tensors) as {what} to {out}"
+    )
+    if corruption_out:
+        if not state.get("occ_params"):
+            raise ValueError(f"run {workdir} trained without RSPC: it has no corruption model")
+        occ = state_dicts.export_state_dict(dict(params=state["occ_params"]))
+        if corruption_out.endswith(".safetensors"):
+            state_dicts.save_safetensors(corruption_out, occ, metadata=dict(step=str(step)))
+        else:
+            state_dicts.save_torch(corruption_out, dict(state_dict=occ, arch="patchocclusion"))
+        summary += f"; corruption model ({', '.join(occ)}) to {corruption_out}"
+    return summary

@@ -1,0 +1,289 @@
+"""Defaults shared by every config in `configs/` (which import and override them)."""
+
+import ml_collections
+
+
+def get_default_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Model: any name in `rspc_jax.models.names()`; `model` holds constructor overrides.
+    c.model_name = "vit_demo"
+    c.model = ml_collections.ConfigDict()
+    # Start from a released/exported PyTorch checkpoint (.pth, .pth.tar, .safetensors, .npz
+    # with official key names) instead of a random init; ignored when the workdir already has
+    # a checkpoint to resume from. README: "Start from a released checkpoint".
+    c.init_from = ""
+    c.init_from_ema = False  # take its EMA weights (state_dict_ema / model_ema)
+    c.init_head = "load"  # 'load' | 'reset' (fresh head, e.g. another number of classes)
+    c.init_resize = False  # interpolate RVT* PAAS masks / ViT pos_embed to image_size
+    # BatchNorm batch statistics over all devices instead of per device (official: per GPU).
+    c.bn_cross_device = False
+    # Forward-pass dtype; 'bfloat16' keeps float32 params and optimizer state (TPU speed and
+    # memory).
+    c.compute_dtype = "float32"
+    # Execution options of the model that leave its parameters unchanged (so a checkpoint
+    # loads either way): recompute each block's activations in the backward pass (memory),
+    # and run ViT/DeiT blocks as one scan (compile time).
+    c.remat = False
+    c.scan_blocks = False
+
+    # Data (tfds builder names; TFDS_DATA_DIR or `data_dir` says where prepared data lives).
+    c.dataset = "sklearn_digits"
+    c.data_dir = ml_collections.config_dict.placeholder(str)
+    c.train_split = ml_collections.config_dict.placeholder(str)  # default: the dataset's
+    c.eval_split = ml_collections.config_dict.placeholder(str)
+    c.image_size = 32
+    c.augment = "digits"  # 'digits' | 'cifar' | 'imagenet' | 'none'
+    c.rand_augment = ""  # timm RandAugment on the crop: 'rand-m9-mstd0.5-inc1'; '' = off
+    c.color_jitter = 0.0  # torchvision ColorJitter strength on the crop (thesis: 0.4); 0 = off
+    c.crop_area = ()  # 'imagenet' crop's area range; () = (0.08, 1.0)
+    c.crop_aspect = ()  # 'imagenet' crop's aspect range; () = (3/4, 4/3)
+    c.random_erase_prob = 0.0  # timm RandomErasing (mode 'pixel', 1 box), after normalisation
+    c.repeated_augment = 1  # DeiT repeated augmentation: copies of each image; 1 = off
+    c.eval_preprocess = ""  # '' = the dataset's default | 'center_crop' (Resize 256, crop 224)
+    # RVT* patch-wise augmentation (docs/method.md, "Patch-wise augmentation"): 'off' | 'official' (an extra RSPC forward on
+    # the patch-augmented batch whose gradients are discarded, as RSPC_RVT does: only BatchNorm
+    # statistics see it) | 'intended' (its gradients are added to the clean batch's).
+    c.patch_aug = "off"
+    c.shuffle_buffer = 10_000
+
+    # Schedule. `batch_size` is global (all devices of all hosts).
+    c.batch_size = 128
+    c.eval_batch_size = 256
+    c.num_epochs = 30.0
+    c.total_steps = 0  # > 0 overrides num_epochs
+
+    c.optimizer = ml_collections.ConfigDict(
+        dict(
+            lr=5e-4,  # peak lr = lr * batch_size / lr_base_batch (DeiT)
+            lr_base_batch=512,
+            warmup_epochs=5.0,
+            cooldown_epochs=0.0,  # at min_lr after the cosine, inside num_epochs (timm)
+            warmup_lr=1e-6,
+            min_lr=1e-5,
+            b1=0.9,
+            b2=0.999,
+            eps=1e-8,
+            weight_decay=0.05,
+        )
+    )
+    c.label_smoothing = 0.0
+    # Mixup/CutMix (off when both alphas are 0). DeiT/RVT: 0.8 / 1.0, smoothing 0.1.
+    c.mixup = ml_collections.ConfigDict(
+        dict(mixup_alpha=0.0, cutmix_alpha=0.0, prob=1.0, switch_prob=0.5)
+    )
+    c.ema_decay = 0.0  # per-step decay of a classifier EMA; 0 = off
+
+    # RSPC (defaults = the official code; see rspc_jax/rspc.py).
+    c.rspc = ml_collections.ConfigDict(
+        dict(
+            enabled=True,
+            rho=0.1,  # fraction of patches occluded
+            lam=0.005,  # weight of the alignment loss
+            patch_size=0,  # 0 = the model's patch size
+            ste="clip",  # 'clip' (hardtanh backward, official) | 'identity'
+            # Emulates the GradScaler's 2**16 on C's gradient (1 = paper). It scales the gradient
+            # of the global-mean loss; official runs scaled each GPU's mean loss, so emulating
+            # per-GPU batch b needs 2**16 * batch_size / b.
+            occ_grad_scale=65536.0,
+            noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
+            clamp="imagenet",  # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
+            selection="learned",  # 'learned' | 'random' (Table 3 ablation)
+            objective="align",  # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
+            fill="noise",  # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
+            # | 'drop' (removed from the token sequence; ViT/DeiT)
+            align_blocks=(),  # () = all backbone blocks
+            optimizer=ml_collections.ConfigDict(
+                dict(lr=1e-4, momentum=0.9, nesterov=True, weight_decay=0.05, clip_norm=5.0)
+            ),
+        )
+    )
+
+    # Adversarial-training baselines (rspc_jax/adversarial_training.py), with rspc.enabled=False.
+    c.adversarial = ml_collections.ConfigDict(
+        dict(
+            method="none",  # 'none' | 'fgsm' | 'pgd' | 'trades'
+            eps=4 / 255,  # L-inf budget, pixels in [0, 1] (thesis ImageNet: 4/255)
+            steps=1,  # attack steps (fgsm: 1, or 2 = the thesis's 2-step FGSM)
+            step_size=0.0,  # 0 = eps / steps (fgsm), 2.5 eps / steps (pgd, trades)
+            beta=6.0,  # TRADES weight of the KL term
+            eps_warmup_epochs=0,  # eps grows linearly over these epochs (thesis: 10)
+            attack_bn="train",  # BatchNorm in the attack: 'train' (thesis) | 'eval'
+        )
+    )
+
+    # Robustness evaluation (`python -m rspc_jax.evaluate`; README "Evaluate robustness").
+    c.evaluation = ml_collections.ConfigDict(
+        dict(
+            suites="clean,corrupted_local,patch_occlusion,attention_stability,adversarial",
+            batch_size=0,  # global; 0 = eval_batch_size
+            num_examples=0,  # cap on eval examples per suite; 0 = all
+            figure_images=4,  # images shown in the attention / mask figures
+            corruptions="common",  # common (the 15) | all (19) | a comma list
+            severities=(1, 2, 3, 4, 5),
+            # Released benchmark data ('' = the tfds builder in data_dir where one exists).
+            imagenet_c_dir="",  # <dir>/<corruption>/<severity>/<wnid>/*.JPEG
+            imagenet_a_dir="",  # <dir>/<wnid>/*.jpg (200 wnids)
+            imagenet_r_dir="",
+            imagenet_p_dir="",  # <dir>/<perturbation>/<wnid>/*.mp4
+            imagenet_p_perturbations="",  # comma list; '' = the 10 test perturbations
+            imagenet_p_alexnet="",  # JSON {flip_probability: {p: v}, top5_distance: {p: v}}
+            cifar10_c_dir="",  # <dir>/<corruption>.npy + labels.npy
+            cifar100_c_dir="",
+            occlusion_rho=0.1,  # the paper's analyses occlude 10% of the patches
+            occlusion_masks=100,  # random masks per image (Fig. 2 right)
+            fgsm_eps=1 / 255,  # RSPC_RVT --fgsm_test
+            pgd_eps=8 / 255,
+            pgd_step=2 / 255,
+            pgd_steps=5,  # RSPC_RVT --pgd_test
+            apgd_eps=4 / 255,  # RobustBench ImageNet L-inf
+            apgd_iters=100,
+            apgd_targets=9,  # targeted APGD-DLR classes after APGD-CE; 0 = APGD-CE only
+            adversarial_examples=1000,  # attacks run on the first N eval examples
+            attacks="fgsm,pgd,apgd_ce,autoattack,patch_fool",  # which the adversarial suite runs
+            patch_fool_patches=1,
+            patch_fool_block=4,
+            patch_fool_steps=250,
+        )
+    )
+
+    # Model-robustness analyses (`python -m rspc_jax.analyze`; README "Analyse a model").
+    c.analysis = ml_collections.ConfigDict(
+        dict(
+            batch_size=0,  # global; 0 = eval_batch_size
+            num_examples=0,  # cap on eval examples per pass; 0 = all
+            lesion_samples=25,  # random draws of n removed blocks, per n (Fig. 8)
+            radii=(),  # restricted-attention distances; () = 0 .. grid side - 1
+            random_mask_seed=0,  # the fixed permutation of the random-mask baseline
+            cls_only_blocks=(),  # k of "no patch-to-patch attention in the first/last k"; () = all
+            max_translation=16.0,
+            translations=9,  # pixels each way, values per axis
+            max_rotation=30.0,
+            rotations=31,  # degrees each way, values
+            spatial_examples=1000,  # the grid attack runs on the first N eval examples
+        )
+    )
+
+    # Loop.
+    c.log_every_steps = 50
+    c.eval_every_steps = 0  # 0 = once per epoch
+    c.eval_fgsm_eps = 0.0  # > 0: evals also report FGSM accuracy at this eps (pixels in [0, 1])
+    c.keep_best = (
+        ""  # 'accuracy' | 'fgsm_accuracy': also keep the best eval's state in <workdir>/best
+    )
+    c.checkpoint_every_steps = 500
+    c.keep_checkpoints = 3
+    c.block_each_step = (
+        "auto"  # 'auto' (block on CPU, where queued collectives deadlock) | 'yes' | 'no'
+    )
+    c.distributed = "auto"  # jax.distributed.initialize: 'auto' | 'yes' | 'no'
+    return c
+
+
+def apply_imagenet_recipe(
+    c: ml_collections.ConfigDict, *, batch_size: int, per_device_batch: int
+) -> None:
+    """The DeiT/RVT ImageNet-1k recipe as RSPC_RVT runs it (docs/method.md, "Recipes: RVT"): 224 px
+    inception crops (bicubic) + flip, RandAugment rand-m9-mstd0.5-inc1, random erasing 0.25,
+    repeated augmentation x3, mixup 0.8 / cutmix 1.0, label smoothing 0.1, lr 5e-4 x
+    batch/512, 5 warm-up epochs, cosine over 300 epochs then 10 cool-down epochs at min_lr
+    (RSPC_RVT keeps timm's returned 310 epochs), drop path 0.1, EMA 0.99996.
+
+    `per_device_batch` is the official per-GPU batch: the GradScaler's 2**16 scaled each
+    GPU's mean loss, so C's gradient scale is 2**16 * batch_size / per_device_batch here.
+    """
+    c.dataset = "imagenet2012"
+    c.image_size = 224
+    c.augment = "imagenet"
+    c.rand_augment = "rand-m9-mstd0.5-inc1"
+    c.random_erase_prob = 0.25
+    c.repeated_augment = 3
+    c.batch_size = batch_size
+    c.eval_batch_size = 1024
+    c.num_epochs = 310
+    c.optimizer.warmup_epochs = 5
+    c.optimizer.cooldown_epochs = 10
+    c.model.drop_path_rate = 0.1
+    c.label_smoothing = 0.1
+    c.mixup.mixup_alpha = 0.8
+    c.mixup.cutmix_alpha = 1.0
+    c.ema_decay = 0.99996
+    c.rspc.occ_grad_scale = 65536.0 * batch_size / per_device_batch
+    c.log_every_steps = 100
+    c.checkpoint_every_steps = 2500
+
+
+def apply_fan_recipe(
+    c: ml_collections.ConfigDict,
+    *,
+    batch_size: int,
+    lr: float,
+    warmup_epochs: float,
+    drop_path_rate: float,
+) -> None:
+    """RSPC_FAN/train_script.sh (docs/method.md, "Recipes: FAN") on top of the ImageNet recipe: an
+    absolute lr (FAN's main does not scale it), min lr 1e-6, random erasing 0.3, no
+    repeated augmentation, EMA 0.99992, seed 42, per-GPU batch 128 (FAN-T) or 64."""
+    apply_imagenet_recipe(
+        c, batch_size=batch_size, per_device_batch=128 if batch_size <= 2048 else 64
+    )
+    c.optimizer.lr = lr
+    c.optimizer.lr_base_batch = batch_size
+    c.optimizer.warmup_epochs = warmup_epochs
+    c.optimizer.min_lr = 1e-6
+    c.random_erase_prob = 0.3
+    c.repeated_augment = 1
+    c.ema_decay = 0.99992
+    c.seed = 42
+    c.model.drop_path_rate = drop_path_rate
+
+
+def apply_cifar224_recipe(c: ml_collections.ConfigDict, dataset: str) -> None:
+    """EXP_CIFAR (docs/method.md, "Recipes: CIFAR"): CIFAR up-sampled to 224 px by the inception crop,
+    evaluated with Resize(256) + CenterCrop(224), batch 128 (2 GPUs x 64), lr 5e-4 x
+    128/512, 200 epochs without warm-up or cool-down, patch-wise augmentation on, and
+    otherwise the ImageNet recipe. DeepAugment data is not included."""
+    apply_imagenet_recipe(c, batch_size=128, per_device_batch=64)
+    c.dataset = dataset
+    c.eval_preprocess = "center_crop"
+    c.eval_batch_size = 1000
+    c.num_epochs = 200
+    c.optimizer.warmup_epochs = 0
+    c.optimizer.cooldown_epochs = 0
+    c.patch_aug = "official"
+    c.log_every_steps = 100
+    c.checkpoint_every_steps = 2000
+
+
+def apply_smoke(
+    c: ml_collections.ConfigDict, model_name: str, model: dict, image_size: int = 32
+) -> None:
+    """A tiny member of the family for a few steps on the embedded digits (CPU, minutes);
+    the augmentations of the recipe stay on, mixup and repeated augmentation go off."""
+    c.model_name = model_name
+    c.model = ml_collections.ConfigDict(model)
+    c.dataset = "sklearn_digits"
+    c.augment = "digits"
+    c.eval_preprocess = ""
+    c.image_size = image_size
+    c.batch_size = 8
+    c.eval_batch_size = 304
+    c.total_steps = 3
+    c.log_every_steps = 1
+    c.repeated_augment = 1
+    c.mixup.mixup_alpha = 0.0
+    c.mixup.cutmix_alpha = 0.0
+
+
+def select_variant(c: ml_collections.ConfigDict, arg, smoke=None) -> ml_collections.ConfigDict:
+    """'' = the config as written; 'plain' = the same without RSPC (the paper's baseline
+    row); 'smoke' = `smoke(c)` where the config offers one."""
+    if arg == "plain":
+        c.rspc.enabled = False
+    elif arg == "smoke" and smoke is not None:
+        smoke(c)
+    elif arg not in (None, ""):
+        choices = "'plain' or 'smoke'" if smoke is not None else "'plain'"
+        raise ValueError(f"unknown variant {arg!r}; use {choices}")
+    return c

@@ -1,0 +1,311 @@
+"""The training loop: config -> state -> steps, evaluation, metrics, checkpoints, resume."""
+
+from collections.abc import Callable
+import contextlib
+import json
+import os
+import signal
+import threading
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tensorflow as tf
+
+from rspc_jax import parallel
+from rspc_jax.data import specs as datasets
+from rspc_jax.data import train as train_data
+from rspc_jax.evaluation import run_suites, suites
+from rspc_jax.interop import checkpoints as checkpointing
+from rspc_jax.interop import state_dicts as interop
+from rspc_jax.training import reporting as metrics_lib
+from rspc_jax.training import setup
+from rspc_jax.training import step as train_step_lib
+
+
+def resolve_workdir(workdir: str) -> str:
+    """Creates `workdir`; local paths become absolute (orbax needs that), gs:// stays."""
+    if "://" not in workdir:
+        workdir = os.path.abspath(workdir)
+    tf.io.gfile.makedirs(workdir)
+    return workdir
+
+
+class BestKeeper:
+    """Early stopping as the thesis does it: the state of the best eval by
+    `config.keep_best` goes to <workdir>/best, itself a workdir (config.json +
+    checkpoints/<step>) that evaluate and export read with --workdir=<workdir>/best."""
+
+    def __init__(self, workdir: str, config, meta: dict):
+        self.directory = os.path.join(workdir, "best")
+        self.metric = config.keep_best
+        self._meta = meta
+        self._ckpt = checkpointing.Checkpointer(
+            os.path.join(self.directory, "checkpoints"), max_to_keep=1
+        )
+        self._record = os.path.join(self.directory, "best.json")
+        self.value = -float("inf")
+        if tf.io.gfile.exists(self._record):  # resumed run: beat the earlier best
+            with tf.io.gfile.GFile(self._record) as f:
+                self.value = json.load(f)["value"]
+        if jax.process_index() == 0:
+            checkpointing.write_json(os.path.join(self.directory, "config.json"), config.to_dict())
+
+    def update(self, step: int, state, results: dict) -> None:
+        value = results[self.metric]
+        if value <= self.value:
+            return
+        self.value = value
+        self._ckpt.save(step, state, self._meta)
+        self._ckpt.wait_until_finished()
+        if jax.process_index() == 0:
+            checkpointing.write_json(self._record, dict(step=step, metric=self.metric, value=value))
+            logging.info(f"[best] step {step}: {self.metric} {value:.4f} -> {self.directory}")
+
+    def close(self) -> None:
+        self._ckpt.wait_until_finished()
+        self._ckpt.close()
+
+
+class StopRequest:
+    """Set by SIGTERM/SIGINT (preemption, Ctrl-C); the loop then saves and exits cleanly."""
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def __call__(self, step: int) -> bool:
+        return self._event.is_set()
+
+    def set(self, *_):
+        logging.warning("stop requested: saving a checkpoint and exiting")
+        self._event.set()
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Handles SIGTERM/SIGINT while training; restores the previous handlers after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.set) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _agree(flag: bool) -> bool:
+    """All hosts must stop at the same step, so a stop on any host stops every host."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+def _clean_eval(ctx, params, batch_stats, fgsm_eps: float) -> dict:
+    """The evaluation package's `clean` suite, under the names training logs."""
+    result = suites.clean(
+        ctx.with_variables(dict(params=params, batch_stats=batch_stats)), fgsm_eps=fgsm_eps
+    )
+    return dict(
+        accuracy=result["top1"],
+        loss=result["loss"],
+        num_examples=result["num_examples"],
+        **{k: result[k] for k in ("fgsm_accuracy",) if k in result},
+    )
+
+
+def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
+    """Replaces the classifier's initial params and BatchNorm statistics (and the EMA) by
+    those of `config.init_from`; optimizer states start fresh."""
+    fresh = jax.device_get(dict(params=state.params, batch_stats=state.batch_stats))
+    variables = interop.load_checkpoint(
+        config.init_from,
+        fresh,
+        ema=config.init_from_ema,
+        reset_head=config.init_head == "reset",
+        resize=config.init_resize,
+    )
+    variables = jax.device_put(variables, parallel.replicated(mesh))
+    params = variables["params"]
+    logging.info(
+        f"Initialised from {config.init_from}"
+        f"{' (EMA weights)' if config.init_from_ema else ''}"
+        f"{'; new head' if config.init_head == 'reset' else ''}"
+    )
+    return state.replace(
+        params=params,
+        batch_stats=variables.get("batch_stats", {}),
+        ema_params=jax.tree.map(jnp.copy, params) if state.ema_params else {},
+    )
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    should_stop: Callable[[int], bool] | None = None,
+) -> dict:
+    """Trains (or resumes) the run in `workdir`.
+
+    Returns the final state, the step reached and the last evaluation ('eval', and
+    'eval_ema' with EMA). `should_stop(step)` can end the run early, like SIGTERM.
+    """
+    setup.validate_config(config)
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
+    setup.check_model_fits(config, model)
+    train_split = config.train_split or spec.train_split
+    # Fails with preparation instructions if the dataset is missing.
+    num_train = datasets.num_examples(
+        dataset=config.dataset, data_dir=config.data_dir, split=train_split
+    )
+    steps_per_epoch = max(num_train // config.batch_size, 1)
+    total_steps = config.total_steps or int(config.num_epochs * steps_per_epoch)
+    eval_every = config.eval_every_steps or steps_per_epoch
+
+    mesh = parallel.create_mesh()
+    parts = setup.build(config, model, spec, mesh, steps_per_epoch, total_steps)
+    state = parts.init(jax.random.PRNGKey(config.seed))
+
+    workdir = resolve_workdir(workdir)
+    ckpt = checkpointing.Checkpointer(
+        os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
+    )
+    meta = dict(
+        model_name=config.model_name,
+        dataset=config.dataset,
+        image_size=config.image_size,
+        rspc_enabled=config.rspc.enabled,
+    )
+    start_step = 0
+    if ckpt.latest_step() is not None:
+        state = ckpt.restore(ckpt.latest_step(), state, meta)
+        start_step = int(jax.device_get(state.step))
+        logging.info(
+            f"Resumed from {ckpt.directory}/{start_step} (step {start_step}/{total_steps})"
+        )
+    elif config.init_from:
+        state = initialize_from_checkpoint(config, state, mesh)
+    if jax.process_index() == 0:
+        checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
+    best = BestKeeper(workdir, config, meta) if config.keep_best else None
+
+    logger = metrics_lib.MetricsLogger(workdir, total_steps, config.batch_size)
+    logger.write_hparams(
+        {k: v for k, v in _flat(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
+    )
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    logging.info(
+        f"Model {config.model_name}: {num_params:,} parameters; RSPC "
+        f"{'on' if config.rspc.enabled else 'off'}; {jax.device_count()} devices "
+        f"({jax.devices()[0].platform}), {jax.process_count()} hosts; {total_steps} steps "
+        f"of {config.batch_size} images"
+    )
+
+    train_step = parts.train_step
+    local_batch = config.batch_size // jax.process_count()
+    train_batches = parallel.prefetch_to_mesh(
+        train_data.train_iterator(
+            dataset=config.dataset,
+            data_dir=config.data_dir,
+            split=train_split,
+            image_size=config.image_size,
+            local_batch_size=local_batch,
+            seed=config.seed,
+            start_step=start_step,
+            augment=config.augment,
+            shuffle_buffer=config.shuffle_buffer,
+            rand_augment=config.rand_augment,
+            random_erase_prob=config.random_erase_prob,
+            repeated_augment=config.repeated_augment,
+            color_jitter=config.color_jitter,
+            crop_area=tuple(config.crop_area) or None,
+            crop_aspect=tuple(config.crop_aspect) or None,
+        ),
+        mesh,
+    )
+    # Every eval example once, in batches of config.eval_batch_size, as training computes.
+    eval_settings = ml_collections.ConfigDict(
+        dict(config.evaluation.to_dict(), num_examples=0, batch_size=0)
+    )
+    eval_ctx = run_suites.build_context(
+        config, model, settings=eval_settings, mesh=mesh, compute_dtype=setup.compute_dtype(config)
+    )
+
+    def run_eval(step):
+        results = {}
+        for name, params in (("eval", state.params), ("eval_ema", state.ema_params)):
+            if params:
+                results[name] = _clean_eval(
+                    eval_ctx, params, state.batch_stats, config.eval_fgsm_eps
+                )
+                logger.write(step, results[name], name)
+        if best is not None:
+            best.update(step, state, results["eval"])
+        return results
+
+    block = config.block_each_step == "yes" or (
+        config.block_each_step == "auto" and jax.devices()[0].platform == "cpu"
+    )
+    stop = StopRequest()
+    pending, pending_start = [], start_step
+    step = start_step
+    final = run_eval(step) if step >= total_steps else {}
+    try:
+        with stop.installed():
+            while step < total_steps:
+                state, step_metrics = train_step(state, next(train_batches))
+                step += 1
+                pending.append(step_metrics)
+                if block:  # queued collectives deadlock on few-core CPUs
+                    jax.block_until_ready(step_metrics)
+                stopping = _agree(stop(step) or (should_stop is not None and should_stop(step)))
+                last = step == total_steps
+                save = last or stopping or step % config.checkpoint_every_steps == 0
+                if step == start_step + 1:
+                    jax.block_until_ready(step_metrics)
+                    logger.start_timer(step)  # throughput without compilation
+                if step % config.log_every_steps == 0 or save:
+                    # Also checks every pending step for a non-finite loss before any save.
+                    logger.write(step, metrics_lib.mean_and_check(pending, pending_start), "train")
+                    pending, pending_start = [], step
+                if step % eval_every == 0 or last:
+                    final = run_eval(step)
+                    logger.start_timer(step)
+                if save:
+                    ckpt.save(step, state, meta)
+                    logging.info(f"Saving checkpoint {ckpt.directory}/{step}")
+                if stopping and not last:
+                    ckpt.wait_until_finished()
+                    logging.info(
+                        f"Stopped at step {step}: checkpoint saved in {ckpt.directory}; rerun the "
+                        "same command to resume."
+                    )
+                    break
+    finally:
+        ckpt.wait_until_finished()
+        ckpt.close()
+        if best is not None:
+            best.close()
+        logger.close()
+    if step == total_steps and jax.process_index() == 0:
+        acc = final.get("eval", {}).get("accuracy")
+        logging.info(
+            f"Done: {total_steps} steps; test accuracy {acc:.4f}. Metrics: "
+            f"{logger.jsonl_path} and TensorBoard events in {workdir}; checkpoints: "
+            f"{ckpt.directory}"
+        )
+    return dict(state=state, step=step, total_steps=total_steps, **final)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

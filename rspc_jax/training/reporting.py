@@ -1,0 +1,111 @@
+"""Metric output: clu writers (TensorBoard events + log), a JSON-lines file, a console line.
+
+Only process 0 writes. Per-step metrics stay on device until a log step, then are
+fetched together: no host sync per step, and every step is checked for a non-finite loss.
+"""
+
+import json
+import math
+import os
+import time
+
+from absl import logging
+from clu import metric_writers
+import jax
+import numpy as np
+import tensorflow as tf
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
+    """Averages fetched per-step metrics; raises on the first non-finite loss."""
+    fetched = jax.device_get(step_metrics)
+    for offset, metrics in enumerate(fetched):
+        if not math.isfinite(float(metrics["loss"])):
+            raise NonFiniteLossError(
+                f"non-finite loss {float(metrics['loss'])} at step {first_step + offset + 1}; "
+                "stopping without saving it (the last checkpoint is intact). Lower the learning "
+                "rate or check the data."
+            )
+    return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+
+
+_LEADING = ("loss", "ce", "align", "accuracy", "train_accuracy")
+
+
+def _display_rank(key: str) -> int:
+    """Losses and accuracies first on the console; the rest keep their order."""
+    name = key.split("/", 1)[1]
+    return _LEADING.index(name) if name in _LEADING else len(_LEADING)
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """Writes scalars to TensorBoard, `metrics.jsonl` and stdout (process 0 only)."""
+
+    def __init__(self, workdir: str, total_steps: int, images_per_step: int):
+        self.enabled = jax.process_index() == 0
+        self.total_steps = total_steps
+        self.images_per_step = images_per_step
+        self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+        self._writer = metric_writers.create_default_writer(
+            workdir, just_logging=not self.enabled, asynchronous=True
+        )
+        self._last_time: float | None = None
+        self._last_step: int | None = None
+
+    def _throughput(self, step: int) -> dict:
+        now = time.time()
+        out = {}
+        if self._last_time is not None and step > self._last_step:
+            steps_per_sec = (step - self._last_step) / (now - self._last_time)
+            out = dict(
+                steps_per_sec=steps_per_sec,
+                images_per_sec=steps_per_sec * self.images_per_step,
+                eta_sec=(self.total_steps - step) / steps_per_sec,
+            )
+        self._last_time, self._last_step = now, step
+        return out
+
+    def start_timer(self, step: int) -> None:
+        """Times throughput from here (after compilation / evaluation pauses)."""
+        self._last_time, self._last_step = time.time(), step
+
+    def write(self, step: int, scalars: dict, prefix: str) -> None:
+        scalars = {f"{prefix}/{k}": v for k, v in scalars.items()}
+        if prefix == "train":
+            scalars.update({f"train/{k}": v for k, v in self._throughput(step).items()})
+        if not self.enabled:
+            return
+        self._writer.write_scalars(step, scalars)
+        with tf.io.gfile.GFile(self.jsonl_path, "a") as f:  # local or gs://
+            f.write(json.dumps({"step": step, **scalars}) + "\n")
+        logging.info(self._console_line(step, scalars, prefix))
+
+    def _console_line(self, step: int, scalars: dict, prefix: str) -> str:
+        pct = 100.0 * step / max(self.total_steps, 1)
+        parts = [f"[{prefix}] step {step}/{self.total_steps} ({pct:.0f}%)"]
+        for key, value in sorted(scalars.items(), key=lambda kv: _display_rank(kv[0])):
+            name = key.split("/", 1)[1]
+            if name == "eta_sec":
+                parts.append(f"ETA {_format_duration(value)}")
+            elif name in ("steps_per_sec", "images_per_sec"):
+                parts.append(f"{name.replace('_per_sec', '/s')} {value:.1f}")
+            else:
+                parts.append(f"{name} {value:.4g}")
+        return " | ".join(parts)
+
+    def write_hparams(self, hparams: dict) -> None:
+        if self.enabled:
+            self._writer.write_hparams(hparams)
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()

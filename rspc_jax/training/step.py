@@ -1,0 +1,302 @@
+"""Train state, initialisation and the data-parallel RSPC / plain train step.
+
+Steps are written per device (`jax.shard_map`) with explicit collectives. Replicated
+parameters are `pcast` to device-varying before differentiation: under shard_map's
+default `check_vma=True` the gradient of an invariant input would otherwise come out
+already summed over devices implicitly; we sum it explicitly instead (`psum` of each
+device's share of the global-mean loss).
+"""
+
+from collections.abc import Callable
+import dataclasses
+import functools
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+import optax
+
+from rspc_jax import rspc
+from rspc_jax.parallel import DATA_AXIS
+from rspc_jax.training import adversarial as adversarial_training
+from rspc_jax.training import mixup, patch_aug
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+    occ_params: Any  # corruption model C ({} when RSPC is off)
+    occ_opt_state: Any
+    ema_params: Any  # {} when EMA is off
+    rng: jax.Array  # base key; the step key is fold_in(rng, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """Static settings of the step, resolved from the config once."""
+
+    num_classes: int
+    rspc_enabled: bool
+    rho: float
+    lam: float
+    ste_clip: Any  # float or None (identity STE)
+    occ_grad_scale: float
+    noise_mean: Any  # noise = (u - mean) / std; (0,)/(1,) = normalised-space noise
+    noise_std: Any
+    clamp_lower: Any  # None = no clamp
+    clamp_upper: Any
+    random_selection: bool
+    align_blocks: Any  # None = all blocks
+    label_smoothing: float
+    mixup: Any  # dict of mixup/cutmix settings, None = off
+    ema_decay: float
+    compute_dtype: Any = None  # None = float32; jnp.bfloat16 = bf16 forward, f32 params
+    patch_aug: str = "off"  # RVT* patch-wise augmentation: 'off' | 'official' | 'intended'
+    rspc_objective: str = "align"  # 'align' (paper) | 'ce' (CE on the occluded images; ablation)
+    fill: str = "noise"  # occluded patches: 'noise' (eq. 1) | 'zero' | 'drop' (ablations)
+    adversarial: Any = None  # adversarial_training.Settings; None = off
+    pixel_mean: Any = None  # the dataset's normalisation (adversarial training's pixel space)
+    pixel_std: Any = None
+
+
+def create_train_state(
+    rng, model: nn.Module, occ_model, image_shape, tx, occ_tx, ema: bool
+) -> TrainState:
+    """Initialises every part of the state (jit it with replicated out_shardings)."""
+    model_rng, occ_rng, state_rng = jax.random.split(rng, 3)
+    dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
+    variables = model.init(model_rng, dummy, train=False)
+    params, batch_stats = variables["params"], variables.get("batch_stats", {})
+    occ_params = occ_model.init(occ_rng, dummy)["params"] if occ_model is not None else {}
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        batch_stats=batch_stats,
+        opt_state=tx.init(params),
+        occ_params=occ_params,
+        occ_opt_state=occ_tx.init(occ_params) if occ_model is not None else {},
+        ema_params=jax.tree.map(jnp.copy, params) if ema else {},
+        rng=state_rng,
+    )
+
+
+def _targets(settings: StepSettings, rng, images, labels):
+    if settings.mixup is None:
+        return images, mixup.one_hot_smoothed(
+            labels, settings.num_classes, settings.label_smoothing
+        )
+    return mixup.mixup_cutmix(
+        rng,
+        images,
+        labels,
+        num_classes=settings.num_classes,
+        smoothing=settings.label_smoothing,
+        **settings.mixup,
+    )
+
+
+def step_keys(state: TrainState):
+    """(noise, dropout, mixup, selection) keys of this step; the first is device-independent."""
+    return jax.random.split(jax.random.fold_in(state.rng, state.step), 4)
+
+
+def _per_device_train_step(
+    state: TrainState,
+    batch,
+    *,
+    model,
+    occ_model,
+    tx,
+    occ_tx,
+    schedule: Callable,
+    settings: StepSettings,
+):
+    device = jax.lax.axis_index(DATA_AXIS)
+    images, labels = batch["image"], batch["label"]
+    local_batch = images.shape[0]
+    noise_rng, dropout_rng, mix_rng, select_rng = step_keys(state)
+    images, targets = _targets(settings, jax.random.fold_in(mix_rng, device), images, labels)
+    rngs = {"dropout": jax.random.fold_in(dropout_rng, device)}
+    vary = functools.partial(jax.lax.pcast, axis_name=DATA_AXIS, to="varying")
+    # Each device differentiates its share of the *global* mean loss and the gradients
+    # are summed, so the gradient reaching the STE clip is that of the global-batch loss
+    # and the step does not depend on how many devices share the batch.
+    share = 1.0 / jax.lax.psum(1, DATA_AXIS)
+    # Folded from the step key rather than split off it, so that adding this stream left
+    # the other keys (and every earlier run) unchanged.
+    aug_noise_rng, aug_rng = jax.random.split(
+        jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
+    )
+
+    example_ids = device * local_batch + jnp.arange(local_batch)
+    if settings.rspc_enabled:
+
+        def noise_of(rng):
+            if settings.fill != "noise":  # zeros; 'drop' never shows the filled image
+                return jnp.zeros_like(images)
+            uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
+            return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+
+        num_patches = (images.shape[1] // occ_model.patch_size) * (
+            images.shape[2] // occ_model.patch_size
+        )
+        random_scores = None
+        if settings.random_selection:
+            random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
+        probe = vary(jnp.zeros((local_batch, num_patches), jnp.float32))
+        rspc_loss = functools.partial(
+            rspc.rspc_loss,
+            model=model,
+            occ_model=occ_model,
+            rho=settings.rho,
+            lam=settings.lam,
+            ste_clip=settings.ste_clip,
+            grad_scale=settings.occ_grad_scale,
+            lower=settings.clamp_lower,
+            upper=settings.clamp_upper,
+            align_blocks=settings.align_blocks,
+            random_scores=random_scores,
+            compute_dtype=settings.compute_dtype,
+            objective=settings.rspc_objective,
+            drop_tokens=settings.fill == "drop",
+        )
+
+        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+            return rspc_loss(
+                params,
+                occ_params,
+                batch_stats,
+                images,
+                targets,
+                noise_of(noise_rng),
+                rngs=rngs,
+                mask_probe=probe,
+            )
+
+        args = (vary(state.params), vary(state.occ_params), probe)
+    elif settings.adversarial is not None:
+
+        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+            return adversarial_training.adversarial_loss(
+                params,
+                batch_stats,
+                images,
+                targets,
+                noise_rng,
+                example_ids,
+                state.step,
+                model=model,
+                settings=settings.adversarial,
+                mean=settings.pixel_mean,
+                std=settings.pixel_std,
+                rngs=rngs,
+                compute_dtype=settings.compute_dtype,
+            )
+
+        args = (vary(state.params), {}, None)
+    else:
+
+        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+            return rspc.plain_loss(
+                params,
+                batch_stats,
+                images,
+                targets,
+                model=model,
+                rngs=rngs,
+                compute_dtype=settings.compute_dtype,
+            )
+
+        args = (vary(state.params), {}, None)
+
+    def objective(params, occ_params, probe):
+        batch_stats, aug_loss = state.batch_stats, 0.0
+        if settings.patch_aug != "off":
+            # RSPC_RVT first runs the whole step on the patch-augmented batch (own mask and
+            # noise), then on the clean one; its gradients are zeroed before the update
+            # ('official': only the BatchNorm statistics keep it) or, as intended, added.
+            device_rng = jax.random.fold_in(aug_rng, device)
+            aug_images = patch_aug.patch_augment(
+                device_rng, images, model.patch_size, settings.clamp_lower, settings.clamp_upper
+            )
+            aug_args = (params, occ_params)
+            if settings.patch_aug == "official":
+                aug_args = jax.lax.stop_gradient(aug_args)
+            aug_total, aug_aux = loss_of(
+                *aug_args,
+                batch_stats,
+                aug_images,
+                aug_noise_rng,
+                {"dropout": jax.random.fold_in(device_rng, 1)},
+                None,
+            )
+            batch_stats = aug_aux["batch_stats"]
+            if settings.patch_aug == "intended":
+                aug_loss = aug_total
+        loss, aux = loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe)
+        return (loss + aug_loss) * share, (loss, aux)
+
+    argnums = (0, 1, 2) if settings.rspc_enabled else 0
+    (_, (loss, aux)), all_grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(
+        *args
+    )
+    if settings.rspc_enabled:
+        grads, occ_grads, probe_grad = all_grads
+    else:
+        grads = all_grads
+
+    grads = jax.lax.psum(grads, DATA_AXIS)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(
+        loss=loss,
+        ce=aux["ce"],
+        lr=schedule(state.step),
+        grad_norm=optax.tree.norm(grads),
+        train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)),
+    )
+
+    metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
+    occ_params, occ_opt_state = state.occ_params, state.occ_opt_state
+    if settings.rspc_enabled:
+        occ_grads = jax.lax.psum(occ_grads, DATA_AXIS)
+        occ_updates, occ_opt_state = occ_tx.update(occ_grads, occ_opt_state, occ_params)
+        occ_params = optax.apply_updates(occ_params, occ_updates)
+        saturated = jnp.abs(probe_grad * settings.occ_grad_scale) >= (settings.ste_clip or jnp.inf)
+        metrics.update(
+            align=aux["align"],
+            occ_grad_norm=optax.tree.norm(occ_grads),
+            occluded_fraction=1.0 - jnp.mean(aux["keep"]),
+            ste_saturated_fraction=jnp.mean(saturated),
+        )
+
+    ema_params = state.ema_params
+    if settings.ema_decay > 0:
+        ema_params = jax.tree.map(
+            lambda e, p: settings.ema_decay * e + (1.0 - settings.ema_decay) * p, ema_params, params
+        )
+    new_state = state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
+        batch_stats=jax.lax.pmean(aux["batch_stats"], DATA_AXIS),
+        occ_params=occ_params,
+        occ_opt_state=occ_opt_state,
+        ema_params=ema_params,
+    )
+    return new_state, jax.lax.pmean(metrics, DATA_AXIS)
+
+
+def make_train_step(mesh: Mesh, **kwargs):
+    """jit(shard_map(step)): state replicated, batch split over the data axis; state donated."""
+    step = functools.partial(_per_device_train_step, **kwargs)
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=(P(), P()))
+    return jax.jit(sharded, donate_argnums=0)

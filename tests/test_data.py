@@ -1,0 +1,417 @@
+"""Tests of the tf.data input pipeline and the offline `sklearn_digits` builder."""
+
+import collections
+import itertools
+import socket
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from rspc_jax.data import eval as eval_data
+from rspc_jax.data import specs as datasets
+from rspc_jax.data import train as train_data
+
+DIGITS = "sklearn_digits"
+
+
+def eval_batches(
+    *,
+    dataset,
+    data_dir,
+    split,
+    image_size,
+    local_batch_size,
+    eval_preprocess="",
+    process_index=None,
+    process_count=None,
+):
+    """The evaluation path's host batches of a split: (list of batches, batches per host)."""
+    ds, largest = eval_data.eval_examples(
+        dataset=dataset,
+        data_dir=data_dir,
+        split=split,
+        image_size=image_size,
+        eval_preprocess=eval_preprocess,
+        process_index=process_index,
+        process_count=process_count,
+    )
+    count = eval_data.num_batches(largest, local_batch_size)
+    spec = datasets.dataset_spec(dataset)
+    examples = ((ex["image"], ex["label"]) for ex in ds.as_numpy_iterator())
+    return list(
+        eval_data.host_batches(
+            examples,
+            local_batch=local_batch_size,
+            batches=count,
+            image_shape=(image_size, image_size, 3),
+            mean=spec.mean,
+            std=spec.std,
+        )
+    ), count
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Fails the test if anything opens a connection."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def raw_examples(data_dir, split):
+    """(uint8 images (N, 8, 8, 1), int labels) straight from tfds."""
+    builder = tfds.builder(DIGITS, data_dir=data_dir)
+    return tfds.as_numpy(builder.as_dataset(split=split, batch_size=-1, as_supervised=True))
+
+
+def to_uint8(images, dataset=DIGITS):
+    """Undoes the normalisation; valid for unaugmented 8 px digits."""
+    spec = datasets.dataset_spec(dataset)
+    pixels = np.asarray(images) * np.array(spec.std) + np.array(spec.mean)
+    return np.round(pixels * 255).astype(np.uint8)
+
+
+def as_keys(images, labels):
+    """Hashable (grey image bytes, label) per example."""
+    return [(image[..., :1].tobytes(), int(label)) for image, label in zip(images, labels)]
+
+
+def digits_train(data_dir, **overrides):
+    kwargs = dict(
+        dataset=DIGITS,
+        data_dir=data_dir,
+        split="train",
+        image_size=16,
+        local_batch_size=8,
+        seed=0,
+        augment="digits",
+        process_index=0,
+        process_count=1,
+    )
+    kwargs.update(overrides)
+    return train_data.train_iterator(**kwargs)
+
+
+def take(iterator, n):
+    return list(itertools.islice(iterator, n))
+
+
+def test_digits_builder_prepares_offline(tmp_path, no_network):
+    from sklearn.datasets import load_digits
+
+    builder = datasets.get_builder(DIGITS, str(tmp_path))
+    assert builder.is_prepared()
+    assert (tmp_path / DIGITS).is_dir()
+    splits = builder.info.splits
+    assert (splits["train"].num_examples, splits["test"].num_examples) == (1500, 297)
+
+    images, labels = raw_examples(str(tmp_path), "test")
+    assert images.shape == (297, 8, 8, 1) and images.dtype == np.uint8
+    assert set(labels.tolist()) == set(range(10))
+    # `test` holds exactly scikit-learn's images 1500.. (as 0..16 -> 0..255).
+    digits = load_digits()
+    expected = np.round(digits.images[1500:] * 255 / 16).astype(np.uint8)
+    assert collections.Counter(as_keys(images, labels)) == collections.Counter(
+        as_keys(expected[..., None], digits.target[1500:])
+    )
+
+
+def test_train_batches_shapes_dtypes_and_normalisation(digits_data_dir):
+    batch = next(digits_train(digits_data_dir, image_size=32, augment="digits"))
+    assert batch["image"].shape == (8, 32, 32, 3)
+    assert batch["image"].dtype == np.float32
+    assert batch["label"].shape == (8,) and batch["label"].dtype == np.int32
+    assert set(batch["label"].tolist()) <= set(range(10))
+    spec = datasets.dataset_spec(DIGITS)
+    pixels = batch["image"] * np.array(spec.std) + np.array(spec.mean)
+    assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6
+    assert pixels.max() > 0.5  # real digits, not only padding
+    np.testing.assert_array_equal(pixels[..., 0], pixels[..., 2])  # grey->RGB
+
+
+def test_none_augment_is_nearest_upsampling(digits_data_dir):
+    batch = next(digits_train(digits_data_dir, image_size=32, augment="none"))
+    pixels = to_uint8(batch["image"])
+    # Every 4x4 block of the 32 px image is one original pixel.
+    blocks = pixels.reshape(8, 8, 4, 8, 4, 3)
+    assert (blocks == blocks[:, :, :1, :, :1, :]).all()
+
+
+TIMM_RECIPE = dict(rand_augment="rand-m9-mstd0.5-inc1", random_erase_prob=0.25)
+
+
+@pytest.mark.parametrize(
+    "start,options",
+    [
+        # 20 examples per epoch and 8 per batch: steps 2 and 5 straddle epochs.
+        (3, {}),
+        # x3 repeats: 60 examples per epoch of the stream, straddled by step 7.
+        (6, dict(repeated_augment=3, **TIMM_RECIPE)),
+    ],
+)
+def test_resume_is_bitwise_identical_across_epoch_boundary(digits_data_dir, start, options):
+    common = dict(split="train[:20]", augment="digits", **options)
+    advanced = take(digits_train(digits_data_dir, **common), start + 3)[start:]
+    resumed = take(digits_train(digits_data_dir, start_step=start, **common), 3)
+    for a, b in zip(advanced, resumed):
+        np.testing.assert_array_equal(a["image"], b["image"])
+        np.testing.assert_array_equal(a["label"], b["label"])
+
+
+def test_repeated_augmentation_emits_consecutive_copies(digits_data_dir):
+    # 12 records x 3 copies = 36 examples per epoch of the stream = 6 batches.
+    common = dict(split="train[:12]", local_batch_size=6, repeated_augment=3)
+    plain = take(digits_train(digits_data_dir, image_size=8, augment="none", **common), 12)
+    images = to_uint8(np.concatenate([b["image"] for b in plain]))
+    labels = np.concatenate([b["label"] for b in plain])
+    records = as_keys(images, labels)
+    for epoch in (records[:36], records[36:]):
+        copies = [epoch[i : i + 3] for i in range(0, 36, 3)]
+        assert all(c[0] == c[1] == c[2] for c in copies)
+        assert sorted(c[0] for c in copies) == sorted(
+            as_keys(*raw_examples(digits_data_dir, "train[:12]"))
+        )
+    assert records[:36:3] != records[36::3]  # each epoch is a new permutation
+    # The same order with augmentation: every copy is augmented differently.
+    augmented = take(digits_train(digits_data_dir, augment="digits", **TIMM_RECIPE, **common), 6)
+    np.testing.assert_array_equal(np.concatenate([b["label"] for b in augmented]), labels[:36])
+    images = np.concatenate([b["image"] for b in augmented])
+    for i in range(0, 36, 3):
+        first, second, third = images[i : i + 3]
+        assert not np.array_equal(first, second)
+        assert not np.array_equal(second, third)
+        assert not np.array_equal(first, third)
+
+
+def test_timm_augmentations_change_only_what_they_should(digits_data_dir):
+    base = next(digits_train(digits_data_dir, augment="digits"))
+    erased = next(digits_train(digits_data_dir, augment="digits", random_erase_prob=1.0))
+    randaug = next(
+        digits_train(digits_data_dir, augment="digits", rand_augment="rand-m9-mstd0.5-inc1")
+    )
+    np.testing.assert_array_equal(base["label"], erased["label"])
+    np.testing.assert_array_equal(base["label"], randaug["label"])
+    # Erasing replaces one box per image by N(0, 1) values, after normalisation.
+    for before, after in zip(base["image"], erased["image"]):
+        changed = (before != after).any(axis=-1)
+        rows, cols = np.nonzero(changed)
+        box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+        assert 0 < changed.sum() == box < 16 * 16
+    # RandAugment works on uint8-valued pixels in [0, 255] before normalising.
+    assert not np.array_equal(base["image"], randaug["image"])
+    pixels = to_uint8(randaug["image"]).astype(np.float64)
+    spec = datasets.dataset_spec(DIGITS)
+    restored = (pixels / 255 - np.array(spec.mean)) / np.array(spec.std)
+    np.testing.assert_allclose(restored, randaug["image"], atol=1e-5)
+
+
+def test_each_epoch_is_a_new_permutation(digits_data_dir):
+    batches = take(
+        digits_train(
+            digits_data_dir, split="train[:20]", image_size=8, augment="none", local_batch_size=10
+        ),
+        4,
+    )
+    images = to_uint8(np.concatenate([b["image"] for b in batches]))
+    labels = np.concatenate([b["label"] for b in batches])
+    first, second = as_keys(images[:20], labels[:20]), as_keys(images[20:], labels[20:])
+    assert len(set(first)) == 20
+    assert set(first) == set(second) and first != second
+
+
+def test_seed_determines_order(digits_data_dir):
+    def first_batch(seed):
+        return next(digits_train(digits_data_dir, seed=seed, augment="none"))
+
+    a, b, c = first_batch(0), first_batch(0), first_batch(1)
+    np.testing.assert_array_equal(a["image"], b["image"])
+    np.testing.assert_array_equal(a["label"], b["label"])
+    assert not np.array_equal(a["image"], c["image"])
+
+
+def test_train_shards_are_disjoint_per_host(digits_data_dir):
+    def host_epoch(process_index):
+        batches = take(
+            digits_train(
+                digits_data_dir,
+                split="train[:40]",
+                image_size=8,
+                augment="none",
+                local_batch_size=10,
+                process_index=process_index,
+                process_count=2,
+            ),
+            2,
+        )
+        images = to_uint8(np.concatenate([b["image"] for b in batches]))
+        return set(as_keys(images, np.concatenate([b["label"] for b in batches])))
+
+    host0, host1 = host_epoch(0), host_epoch(1)
+    assert len(host0) == len(host1) == 20
+    assert not host0 & host1
+    assert host0 | host1 == set(as_keys(*raw_examples(digits_data_dir, "train[:40]")))
+
+
+def test_eval_covers_split_exactly_once_over_two_hosts(digits_data_dir):
+    seen, counts = [], []
+    for process_index in (0, 1):
+        batches, num_batches = eval_batches(
+            dataset=DIGITS,
+            data_dir=digits_data_dir,
+            split="test",
+            image_size=8,
+            local_batch_size=64,
+            process_index=process_index,
+            process_count=2,
+        )
+        batches = list(batches)
+        assert len(batches) == num_batches
+        counts.append(num_batches)
+        for batch in batches:
+            assert batch["image"].shape == (64, 8, 8, 3)
+            assert batch["mask"].dtype == np.float32
+            real = batch["mask"] == 1
+            assert set(np.unique(batch["mask"]).tolist()) <= {0.0, 1.0}
+            assert not batch["image"][~real].any()
+            seen += as_keys(to_uint8(batch["image"][real]), batch["label"][real])
+    assert counts == [3, 3]  # 149 and 148 examples, 64 per batch
+    assert len(seen) == 297
+    assert collections.Counter(seen) == collections.Counter(
+        as_keys(*raw_examples(digits_data_dir, "test"))
+    )
+
+
+def test_eval_center_crop_is_resize_then_central_crop(digits_data_dir):
+    batches, _ = eval_batches(
+        dataset=DIGITS,
+        data_dir=digits_data_dir,
+        split="test[:4]",
+        image_size=16,
+        local_batch_size=4,
+        eval_preprocess="center_crop",
+        process_index=0,
+        process_count=1,
+    )
+    images = next(iter(batches))["image"]
+    raw, _ = raw_examples(digits_data_dir, "test[:4]")
+    # 8 px -> int(16 / 0.875) = 18 px (bicubic), then the central 16 x 16.
+    resized = tf.image.resize(np.repeat(raw, 3, axis=-1), [18, 18], method="bicubic")
+    pixels = np.round(np.clip(resized.numpy()[:, 1:17, 1:17], 0, 255)) / 255
+    spec = datasets.dataset_spec(DIGITS)
+    np.testing.assert_allclose(
+        images, (pixels - np.array(spec.mean)) / np.array(spec.std), atol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "dataset,augment,image_size",
+    [
+        ("cifar10", "cifar", 32),
+        ("imagenet2012", "imagenet", 24),
+    ],
+)
+def test_mock_data_flows_through(tmp_path, dataset, augment, image_size):
+    with tfds.testing.mock_data(num_examples=10):
+        train = train_data.train_iterator(
+            dataset=dataset,
+            data_dir=str(tmp_path),
+            split="train",
+            image_size=image_size,
+            local_batch_size=4,
+            seed=0,
+            augment=augment,
+            process_index=0,
+            process_count=1,
+        )
+        batch = next(train)
+        batches, num_batches = eval_batches(
+            dataset=dataset,
+            data_dir=str(tmp_path),
+            split=datasets.dataset_spec(dataset).eval_split,
+            image_size=image_size,
+            local_batch_size=4,
+            process_index=0,
+            process_count=1,
+        )
+        batches = list(batches)
+    assert batch["image"].shape == (4, image_size, image_size, 3)
+    assert batch["label"].shape == (4,) and batch["label"].dtype == np.int32
+    assert np.isfinite(batch["image"]).all()
+    assert num_batches == len(batches) == 3
+    assert all(b["image"].shape == (4, image_size, image_size, 3) for b in batches)
+    assert sum(b["mask"].sum() for b in batches) == 10
+
+
+def test_missing_cifar_raises_with_build_instructions(tmp_path, no_network):
+    with pytest.raises(datasets.DatasetNotFoundError) as error:
+        train_data.train_iterator(
+            dataset="cifar10",
+            data_dir=str(tmp_path),
+            split="train",
+            image_size=32,
+            local_batch_size=4,
+            seed=0,
+            augment="cifar",
+            process_index=0,
+            process_count=1,
+        )
+    message = str(error.value)
+    assert isinstance(error.value, FileNotFoundError)
+    assert f"tfds build cifar10 --data_dir={tmp_path}" in message
+    assert "TFDS_DATA_DIR" in message
+    assert not (tmp_path / "downloads").exists()
+
+
+def test_missing_imagenet_raises_with_manual_instructions(tmp_path, no_network):
+    with pytest.raises(datasets.DatasetNotFoundError) as error:
+        datasets.get_builder("imagenet2012", str(tmp_path))
+    message = str(error.value)
+    assert f"tfds build imagenet2012 --data_dir={tmp_path}" in message
+    assert "ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar" in message
+    assert f"{tmp_path}/downloads/manual/" in message
+
+
+def test_data_dir_defaults_to_tfds_data_dir_env(tmp_path, monkeypatch, no_network):
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
+    with pytest.raises(datasets.DatasetNotFoundError, match=str(tmp_path)):
+        datasets.get_builder("cifar100", None)
+
+
+def test_specs():
+    assert datasets.dataset_spec("imagenet2012").image_size == 224
+    assert datasets.dataset_spec("imagenet2012").manual_download
+    assert datasets.dataset_spec("cifar100").num_classes == 100
+    assert datasets.dataset_spec("cifar10").std == (0.2470, 0.2435, 0.2616)
+    assert datasets.dataset_spec(DIGITS).image_size == 32
+
+
+def test_unknown_names_raise_value_error_listing_choices(digits_data_dir):
+    with pytest.raises(ValueError) as error:
+        datasets.dataset_spec("mnist")
+    for name in ("sklearn_digits", "cifar10", "cifar100", "imagenet2012"):
+        assert name in str(error.value)
+    with pytest.raises(ValueError) as error:
+        digits_train(digits_data_dir, augment="autoaugment")
+    for name in ("digits", "cifar", "imagenet", "none"):
+        assert repr(name) in str(error.value)
+    with pytest.raises(ValueError, match="'center_crop'"):
+        eval_batches(
+            dataset=DIGITS,
+            data_dir=digits_data_dir,
+            split="test",
+            image_size=8,
+            local_batch_size=8,
+            eval_preprocess="resize",
+        )
+    for bad, match in [
+        (dict(rand_augment="rand-q3"), "rand-q3"),
+        (dict(random_erase_prob=-0.1), "random_erase_prob"),
+        (dict(repeated_augment=0), "repeated_augment"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            digits_train(digits_data_dir, **bad)
