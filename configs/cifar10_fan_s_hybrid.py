@@ -3,22 +3,36 @@
     python -m rspc_jax.main --config=configs/cifar10_fan_s_hybrid.py --workdir=gs://BUCKET/rspc/cifar10_fan_s_hybrid
 
 Needs `cifar10` prepared in TFDS_DATA_DIR (README, "Datasets"). `fan_small_12_p4_hybrid` from scratch
-with the official EXP_CIFAR recipe, `config_defaults.apply_cifar224_recipe` (rspc-method.md
-12.3: batch 128, 200 epochs, inception crop to 224, RandAugment, erasing, repeated and
-patch-wise augmentation, Resize(256) + CenterCrop(224) evaluation); the paper's extra
+with the official EXP_CIFAR recipe, `rspc_jax.training.defaults.apply_cifar224_recipe`
+(docs/method.md, 'Recipes: CIFAR': batch 128, 200 epochs, inception crop to 224,
+RandAugment, erasing, repeated and patch-wise augmentation, Resize(256) + CenterCrop(224)
+evaluation); the paper's extra
 DeepAugment images are not included. Paper (Table 1): RSPC-FAN-S-Hybrid 98.06% clean, 94.59%
 mean CIFAR-10-C accuracy (FAN-S-Hybrid 97.69 / 93.14 = `:plain`).
 Not reproduced by us. `:smoke`: a tiny FAN-Hybrid on the digits for a few steps on CPU.
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):
     c = config_defaults.get_default_config()
     c.model_name = "fan_small_12_p4_hybrid"
     config_defaults.apply_cifar224_recipe(c, "cifar10")
-    return config_defaults.select_variant(c, arg, smoke=lambda c: config_defaults.apply_smoke(
-        c, "fan_small_12_p4_hybrid", dict(embed_dim=16, depth=2, num_heads=2, stem_depths=(1, 1),
-                                          stem_dims=(8, 16), cls_attn_layers=1,
-                                          drop_path_rate=0.1)))
+    return config_defaults.select_variant(
+        c,
+        arg,
+        smoke=lambda c: config_defaults.apply_smoke(
+            c,
+            "fan_small_12_p4_hybrid",
+            dict(
+                embed_dim=16,
+                depth=2,
+                num_heads=2,
+                stem_depths=(1, 1),
+                stem_dims=(8, 16),
+                cls_attn_layers=1,
+                drop_path_rate=0.1,
+            ),
+        ),
+    )

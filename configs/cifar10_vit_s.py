@@ -3,7 +3,7 @@
     python -m rspc_jax.main --config=configs/cifar10_vit_s.py --workdir=gs://BUCKET/rspc/cifar10_vit_s
 
 Needs `cifar10` prepared in TFDS_DATA_DIR (README, "Datasets"). Recipe as
-EXP_CIFAR of the official code (rspc-method.md 12.3): global batch 128, AdamW lr
+EXP_CIFAR of the official code (docs/method.md, 'Recipes: CIFAR'): global batch 128, AdamW lr
 5e-4 x 128/512, no warm-up, cosine to 1e-5 over 200 epochs, wd 0.05, drop path 0.1,
 mixup 0.8 / cutmix 1.0 / smoothing 0.1, EMA 0.99996, rho 0.1, lambda 0.005. Differences
 from the paper's runs (configs/cifar10_rvt_s.py has them): the paper trains RVT-S / FAN-S
@@ -13,7 +13,7 @@ patch-wise augmentation and DeepAugment data; this config trains a ViT-S at the 
 claimed. Variants: `:plain` (no RSPC), `:smoke` (a few steps of a tiny model).
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):

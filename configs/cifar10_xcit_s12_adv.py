@@ -19,7 +19,7 @@ no eps warm-up when fine-tuning. Reference (not measured by us): thesis 90.06% c
 import importlib.util
 import os
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def _imagenet_recipe():
@@ -48,8 +48,11 @@ def get_config(arg=None):
     c.init_head = "reset"
     c.checkpoint_every_steps = 500
     if arg == "smoke":
-        config_defaults.apply_smoke(c, "xcit_small_12_p16_224", dict(
-            embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1, patch_size=4))
+        config_defaults.apply_smoke(
+            c,
+            "xcit_small_12_p16_224",
+            dict(embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1, patch_size=4),
+        )
         c.adversarial.steps = 2
         c.eval_every_steps = 3
     elif arg not in (None, ""):

@@ -5,32 +5,32 @@
 Needs no download: the 1,797 8x8 digit images ship with scikit-learn; they are
 written as the tfds dataset `sklearn_digits` (1,500 train / 297 test) on first use
 and upsampled to 32x32 RGB; the ViT sees 4x4 tokens of 8x8 pixels. Expected: >= 95%
-test accuracy in about 4 minutes on 2 CPU cores (README has the measured figure). Variants:
+test accuracy in about 4 minutes on 2 CPU cores (docs/results.md, 'The demo run', has the
+measured figure). Variants:
 
     configs/demo.py:plain   the same run without RSPC (the baseline)
     configs/demo.py:smoke   a few steps of a 2-block model (used by the tests)
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):
     c = config_defaults.get_default_config()
     c.model_name = "vit_demo"
     # Listed so that `--config.model.<field>=...` can override them.
-    c.model = dict(patch_size=8, width=96, depth=4, num_heads=4, mlp_ratio=4.0,
-                   drop_path_rate=0.1)
+    c.model = dict(patch_size=8, width=96, depth=4, num_heads=4, mlp_ratio=4.0, drop_path_rate=0.1)
     c.dataset = "sklearn_digits"
     c.image_size = 32
     c.augment = "digits"
     c.batch_size = 64
-    c.eval_batch_size = 304    # 297 test images in one padded batch
+    c.eval_batch_size = 304  # 297 test images in one padded batch
     c.num_epochs = 40
     c.label_smoothing = 0.1
-    c.optimizer.lr = 1.6e-2    # peak lr 2e-3 after the DeiT scaling (x 64/512)
+    c.optimizer.lr = 1.6e-2  # peak lr 2e-3 after the DeiT scaling (x 64/512)
     c.optimizer.warmup_epochs = 2
     c.log_every_steps = 50
-    c.eval_every_steps = 115   # every 5 epochs
+    c.eval_every_steps = 115  # every 5 epochs
     c.checkpoint_every_steps = 230
     # Robustness report (`python -m rspc_jax.evaluate --config=configs/demo.py`): the
     # protocols' settings, with the attacks on the first 100 test digits so that the whole

@@ -4,7 +4,7 @@
     python -m rspc_jax.main --config=configs/fan_t_hybrid.py --workdir=gs://BUCKET/rspc/fan_t_hybrid
 
 Needs `imagenet2012` prepared in TFDS_DATA_DIR (README, "Datasets"). Recipe of the
-official RSPC-FAN run (rspc-method.md 12.2): global batch 2048, AdamW lr 2e-3 (absolute),
+official RSPC-FAN run (docs/method.md, 'Recipes: FAN'): global batch 2048, AdamW lr 2e-3 (absolute),
 5 warm-up epochs from 1e-6, cosine to 1e-6 over 300 + 10 cool-down epochs, wd 0.05,
 constant drop path 0.1, RandAugment m9-mstd0.5, random erasing 0.3, no repeated
 augmentation, mixup 0.8 / cutmix 1.0 / smoothing 0.1, EMA 0.99992, seed 42; rho 0.1,
@@ -15,14 +15,29 @@ ImageNet-A (FAN-T-Hybrid 80.1 / 58.3 / 21.9 = `:plain`).
 Not reproduced by us. `:smoke`: a tiny FAN-Hybrid on the digits for a few steps on CPU.
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):
     c = config_defaults.get_default_config()
     c.model_name = "fan_tiny_8_p4_hybrid"
-    config_defaults.apply_fan_recipe(c, batch_size=2048, lr=2e-3, warmup_epochs=5,
-                                     drop_path_rate=0.1)
-    return config_defaults.select_variant(c, arg, smoke=lambda c: config_defaults.apply_smoke(
-        c, "fan_tiny_8_p4_hybrid", dict(embed_dim=16, depth=2, num_heads=2, stem_depths=(1, 1),
-                      stem_dims=(8, 16), cls_attn_layers=1, drop_path_rate=0.1)))
+    config_defaults.apply_fan_recipe(
+        c, batch_size=2048, lr=2e-3, warmup_epochs=5, drop_path_rate=0.1
+    )
+    return config_defaults.select_variant(
+        c,
+        arg,
+        smoke=lambda c: config_defaults.apply_smoke(
+            c,
+            "fan_tiny_8_p4_hybrid",
+            dict(
+                embed_dim=16,
+                depth=2,
+                num_heads=2,
+                stem_depths=(1, 1),
+                stem_dims=(8, 16),
+                cls_attn_layers=1,
+                drop_path_rate=0.1,
+            ),
+        ),
+    )

@@ -3,7 +3,7 @@
     python -m rspc_jax.main --config=configs/rvt_b.py --workdir=gs://BUCKET/rspc/rvt_b
 
 Needs `imagenet2012` prepared in TFDS_DATA_DIR (README, "Datasets"). Recipe of the
-official RSPC-RVT-B run (rspc-method.md 12.1): global batch 2048 (64 per GPU), AdamW lr
+official RSPC-RVT-B run (docs/method.md, 'Recipes: RVT'): global batch 2048 (64 per GPU), AdamW lr
 5e-4 x 2048/512 = 2e-3, 5 warm-up epochs from 1e-6, cosine to 1e-5 over 300 epochs + 10
 cool-down, wd 0.05 (att_mask is decayed, as officially), drop path 0.1, RandAugment
 m9-mstd0.5, random erasing 0.25, repeated augmentation x3, mixup 0.8 / cutmix 1.0 /
@@ -15,7 +15,7 @@ Paper (Table 2): RSPC-RVT-B* 82.8% top-1, 45.7 ImageNet-C mCE, 32.1% ImageNet-A
 RVT* (PAAS needs 224 px) on the digits for a few steps on CPU.
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):
@@ -24,6 +24,13 @@ def get_config(arg=None):
     c.model = dict(masked_block=5)
     config_defaults.apply_imagenet_recipe(c, batch_size=2048, per_device_batch=64)
     c.patch_aug = "official"
-    return config_defaults.select_variant(c, arg, smoke=lambda c: config_defaults.apply_smoke(
-        c, "rvt_tiny_plus", dict(base_dims=(8, 8), depth=(2, 1), heads=(2, 4), masked_block=1,
-                                 drop_path_rate=0.1), image_size=224))
+    return config_defaults.select_variant(
+        c,
+        arg,
+        smoke=lambda c: config_defaults.apply_smoke(
+            c,
+            "rvt_tiny_plus",
+            dict(base_dims=(8, 8), depth=(2, 1), heads=(2, 4), masked_block=1, drop_path_rate=0.1),
+            image_size=224,
+        ),
+    )

@@ -3,7 +3,7 @@
     python -m rspc_jax.main --config=configs/rvt_s.py --workdir=gs://BUCKET/rspc/rvt_s
 
 Needs `imagenet2012` prepared in TFDS_DATA_DIR (README, "Datasets"). Recipe of the
-official RSPC-RVT-S run (rspc-method.md 12.1): global batch 2048 (128 per GPU), AdamW lr
+official RSPC-RVT-S run (docs/method.md, 'Recipes: RVT'): global batch 2048 (128 per GPU), AdamW lr
 2e-3, 5 warm-up epochs, cosine over 300 + 10 cool-down epochs, drop path 0.1,
 RandAugment, random erasing 0.25, repeated augmentation x3, mixup/cutmix, EMA 0.99996,
 patch-wise augmentation (official), rho 0.1, lambda 0.005. The official Ti/S runs use
@@ -13,7 +13,7 @@ Paper (Table 2): RSPC-RVT-S 82.2% top-1, 48.4 ImageNet-C mCE, 27.9% ImageNet-A
 on the digits at 224 px for a few steps on CPU.
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):
@@ -21,6 +21,13 @@ def get_config(arg=None):
     c.model_name = "rvt_small_plus"
     config_defaults.apply_imagenet_recipe(c, batch_size=2048, per_device_batch=128)
     c.patch_aug = "official"
-    return config_defaults.select_variant(c, arg, smoke=lambda c: config_defaults.apply_smoke(
-        c, "rvt_small_plus", dict(base_dims=(8,), depth=(2,), heads=(2,), masked_block=1,
-                                  drop_path_rate=0.1), image_size=224))
+    return config_defaults.select_variant(
+        c,
+        arg,
+        smoke=lambda c: config_defaults.apply_smoke(
+            c,
+            "rvt_small_plus",
+            dict(base_dims=(8,), depth=(2,), heads=(2,), masked_block=1, drop_path_rate=0.1),
+            image_size=224,
+        ),
+    )

@@ -3,7 +3,7 @@
     python -m rspc_jax.main --config=configs/xcit_s12.py --workdir=gs://BUCKET/rspc/xcit_s12
 
 Needs `imagenet2012` prepared in TFDS_DATA_DIR (README, "Datasets"). The RSPC paper has
-no XCiT run; this is the DeiT/RVT recipe of the other RSPC configs (rspc-method.md 12.1:
+no XCiT run; this is the DeiT/RVT recipe of the other RSPC configs (docs/method.md, 'Recipes: RVT':
 batch 1024 here, lr 5e-4 x batch/512, 300 + 10 cool-down epochs, RandAugment, random
 erasing 0.25, repeated augmentation x3, mixup/cutmix, EMA) with XCiT-S12's drop path
 0.05 (XCiT paper; it trains 400 epochs). RSPC aligns the 12 XCA blocks, not the
@@ -12,7 +12,7 @@ class-attention blocks. Reference point (not measured by us): XCiT-S12/16 82.0% 
 on the digits.
 """
 
-from rspc_jax import config_defaults
+from rspc_jax.training import defaults as config_defaults
 
 
 def get_config(arg=None):
@@ -21,6 +21,12 @@ def get_config(arg=None):
     config_defaults.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
     c.model.drop_path_rate = 0.05
     c.ema_decay = 0.99996 ** (1024 / 2048)
-    return config_defaults.select_variant(c, arg, smoke=lambda c: config_defaults.apply_smoke(
-        c, "xcit_small_12_p16_224", dict(embed_dim=16, depth=2, num_heads=2,
-                                         cls_attn_layers=1, drop_path_rate=0.05)))
+    return config_defaults.select_variant(
+        c,
+        arg,
+        smoke=lambda c: config_defaults.apply_smoke(
+            c,
+            "xcit_small_12_p16_224",
+            dict(embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1, drop_path_rate=0.05),
+        ),
+    )

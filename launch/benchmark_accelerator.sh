@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The speed table of README "Speed" on one GPU or TPU chip: plain and RSPC train steps of
+# The speed table of docs/speed.md on one GPU or TPU chip: plain and RSPC train steps of
 # RVT-Ti* at the CPU table's batch (8) and at a batch that fills the chip, then DeiT-S,
 # RVT-S* and FAN-S-Hybrid, in float32 and bfloat16, each `python -m rspc_jax.benchmark`.
 #

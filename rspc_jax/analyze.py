@@ -8,22 +8,23 @@ JSON, figures and summary.md to `<workdir>/analysis` (or `--out`). Settings:
 config.analysis.
 """
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
-from rspc_jax import cli
+from rspc_jax.tools import cli
 
 _FLAGS = cli.define_checkpoint_flags("analyse", "analysis")
 _ANALYSIS = flags.DEFINE_string(
-    "analysis", "layer_correlation,lesion,restricted_attention,spatial_attack",
-    "Comma-separated analyses.")
+    "analysis",
+    "layer_correlation,lesion,restricted_attention,spatial_attack",
+    "Comma-separated analyses.",
+)
 
 
 def main(argv):
     config = cli.start(argv, _FLAGS.config.value)
-    from rspc_jax.analysis import run
+    from rspc_jax.evaluation.analysis import run_analyses
 
-    run.analyze(config, analyses=_ANALYSIS.value, **_FLAGS.source())
+    run_analyses.run_analyses(config, analyses=_ANALYSIS.value, **_FLAGS.source())
 
 
 if __name__ == "__main__":

@@ -10,156 +10,34 @@ variant, XLA's FLOP count of the step with the model FLOPs utilisation (on GPUs/
 XLA's memory estimate and the device's peak memory. Options that matter on accelerators:
 `--config.compute_dtype=bfloat16`, `--config.remat=True`, `--config.scan_blocks=True`
 (ViT/DeiT); the step donates its state. Variants: 'plain' (no RSPC), 'rspc', or any name
-of rspc_jax.ablations (the adversarial-training baselines of the paper's Fig. 7 among them).
+of rspc_jax.training.ablations (the adversarial-training baselines of the paper's Fig. 7 among them).
 """
 
-import statistics
-import time
-
-from absl import app
-from absl import flags
-from absl import logging
-import jax
-import numpy as np
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per variant (after compilation).")
 _BATCH = flags.DEFINE_integer("batch", 0, "Global batch size (0 = the config's).")
-_VARIANTS = flags.DEFINE_string("variants", "plain,rspc", "Comma-separated step variants: "
-                                "plain, rspc or names of rspc_jax.ablations.")
-
-
-# Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
-# GPUs is the TF32 tensor-core peak (XLA's default precision for f32 dots); TPUs have no
-# separate float32 peak. v3 devices are single cores (half a chip); v4+ are whole chips.
-PEAK_FLOPS = (
-    ("H100", 989.4e12, 494.7e12), ("H200", 989.4e12, 494.7e12), ("A100", 312e12, 156e12),
-    ("TPU v3", 61.5e12, None), ("TPU v4", 275e12, None), ("TPU v5 lite", 197e12, None),
-    ("TPU v5e", 197e12, None), ("TPU v5p", 459e12, None), ("TPU v5", 459e12, None),
-    ("TPU v6 lite", 918e12, None), ("TPU v6e", 918e12, None),
+_VARIANTS = flags.DEFINE_string(
+    "variants",
+    "plain,rspc",
+    "Comma-separated step variants: plain, rspc or names of rspc_jax.training.ablations.",
 )
 
 
-def peak_flops(device_kind: str, dtype: str):
-    """The device's dense peak for `dtype` ('bfloat16' | 'float32'), or None if unknown."""
-    for name, bf16, fp32 in PEAK_FLOPS:
-        if name in device_kind:
-            return bf16 if dtype == "bfloat16" else fp32
-    return None
-
-
-def _step_flops(lowered) -> float:
-    """FLOPs of one step on one device, from XLA's cost analysis of the step as lowered
-    (the step is a shard_map, so its body is one device's program). Not the compiled
-    step's analysis: on GPUs that misses the products handed to cuBLAS (DeiT-S at batch
-    128 on an H200: 413 GFLOP compiled, 3566 lowered; the analytic count is ~3.5 TFLOP)."""
-    analysis = lowered.cost_analysis()
-    if isinstance(analysis, (list, tuple)):
-        analysis = analysis[0]
-    return float(analysis.get("flops", 0.0)) if analysis else 0.0
-
-
-def _step_bytes(compiled) -> int:
-    """XLA's estimate of one device's memory for the step: arguments, outputs and
-    temporaries, less the donated buffers that outputs reuse."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return 0
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
-
-
-def _train_parts(config, spec, mesh):
-    from rspc_jax import train
-
-    model = train.build_model(config, spec.num_classes)
-    return train.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
-
-
-def time_step(config, spec, batch, steps: int) -> dict:
-    """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`."""
-    from rspc_jax import parallel
-
-    mesh = parallel.create_mesh()
-    parts = _train_parts(config, spec, mesh)
-    state = parts.init(jax.random.PRNGKey(config.seed))
-    global_batch = parallel.to_global(batch, mesh)
-    start = time.perf_counter()
-    lowered = parts.train_step.lower(state, global_batch)
-    compiled = lowered.compile()
-    compile_sec = time.perf_counter() - start
-    state, metrics = compiled(state, global_batch)  # warm-up: first-run allocations
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, global_batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    median = statistics.median(times)
-    flops = _step_flops(lowered)
-    if config.get("scan_blocks"):
-        # XLA counts a loop body once, not once per block: count the unrolled step (same math).
-        unrolled = config.copy_and_resolve_references()
-        unrolled.scan_blocks = False
-        flops = _step_flops(_train_parts(unrolled, spec, mesh).train_step.lower(state, global_batch))
-    peak = peak_flops(jax.devices()[0].device_kind, config.compute_dtype or "float32")
-    stats = jax.devices()[0].memory_stats() or {}
-    return dict(compile_sec=compile_sec, median_sec=median,
-                images_per_sec=config.batch_size / median, flops=flops,
-                mfu=flops / median / peak if peak and flops else None,
-                step_bytes=_step_bytes(compiled), peak_bytes=stats.get("peak_bytes_in_use"))
-
-
 def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    from rspc_jax import input_pipeline, train
+    from rspc_jax.tools import cli
+
+    cli.start(argv)
+    from rspc_jax.tools import benchmark
 
     config = _CONFIG.value
+    if config is None:
+        raise app.UsageError("pass --config=configs/<file>.py[:variant]")
     if _BATCH.value:
         config.batch_size = _BATCH.value
-    train.validate_config(config)
-    spec = input_pipeline.dataset_spec(config.dataset)
-    rng = np.random.default_rng(0)
-    local = config.batch_size // jax.process_count()
-    batch = {"image": rng.standard_normal((local, config.image_size, config.image_size, 3), np.float32),
-             "label": rng.integers(0, spec.num_classes, local).astype(np.int32)}
-    results = {}
-    for name in _VARIANTS.value.split(","):
-        results[name] = time_step(variant_config(config, name), spec, batch, _STEPS.value)
-    print(f"model {config.model_name}, global batch {config.batch_size} clean images per step "
-          f"(RSPC and TRADES put 2x through the classifier), "
-          f"{jax.device_count()} x {jax.devices()[0].device_kind}, {_STEPS.value} timed steps")
-    first = next(iter(results))
-    print(f"{'step':<20} {'compile s':>10} {'median step s':>14} {'images/s':>10} "
-          f"{'steps/s':>8} {'x ' + first:>10} {'GFLOP/step':>11} {'MFU':>6} "
-          f"{'XLA MiB':>8} {'peak MiB':>9}")
-    for name, r in results.items():
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] else "n/a"
-        print(f"{name:<20} {r['compile_sec']:>10.2f} {r['median_sec']:>14.4f} "
-              f"{r['images_per_sec']:>10.1f} {1 / r['median_sec']:>8.2f} "
-              f"{r['median_sec'] / results[first]['median_sec']:>10.2f} "
-              f"{r['flops'] / 1e9:>11.4g} {mfu:>6} {r['step_bytes'] / 2**20:>8.0f} {peak:>9}")
-    print("GFLOP/step: XLA's cost analysis of one device's step as lowered; MFU against the device's "
-          "dense peak for the compute dtype (n/a where unknown, e.g. CPU); XLA MiB: its "
-          "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators).")
-    if {"plain", "rspc"} <= set(results):
-        ratio = results["rspc"]["median_sec"] / results["plain"]["median_sec"]
-        print(f"ratio rspc/plain step time: {ratio:.2f}")
-
-
-def variant_config(config, name: str):
-    """A copy of `config` switched to variant `name`."""
-    from rspc_jax import ablations
-
-    config = config.copy_and_resolve_references()
-    if name in ("plain", "rspc"):
-        config.rspc.enabled = name == "rspc"
-        return config
-    return ablations.apply(config, name)
+    benchmark.print_table(config, _VARIANTS.value.split(","), _STEPS.value)
 
 
 if __name__ == "__main__":

@@ -8,21 +8,21 @@ config.evaluation.suites); a suite that cannot run (missing data) is skipped wit
 reason in the report, never a crash of the whole run.
 """
 
-from absl import app
-from absl import flags
+from absl import app, flags
 
-from rspc_jax import cli
+from rspc_jax.tools import cli
 
 _FLAGS = cli.define_checkpoint_flags("evaluate", "eval")
-_SUITES = flags.DEFINE_string("suites", None, "Comma-separated suites; default: "
-                              "config.evaluation.suites.")
+_SUITES = flags.DEFINE_string(
+    "suites", None, "Comma-separated suites; default: config.evaluation.suites."
+)
 
 
 def main(argv):
     config = cli.start(argv, _FLAGS.config.value)
-    from rspc_jax.evaluation import run
+    from rspc_jax.evaluation import run_suites
 
-    run.evaluate(config, suites=_SUITES.value, **_FLAGS.source())
+    run_suites.run_suites(config, suites=_SUITES.value, **_FLAGS.source())
 
 
 if __name__ == "__main__":

@@ -6,13 +6,14 @@ and state are global `jax.Array`s, which orbax and multi-host input need directl
 """
 
 import collections
+from collections.abc import Iterator
 import os
-from typing import Iterator
 
 from absl import logging
 import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
 
@@ -33,9 +34,11 @@ def maybe_initialize_distributed(mode: str = "auto") -> None:
         return
     kwargs = {}
     if coordinator:
-        kwargs = dict(coordinator_address=coordinator,
-                      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-                      process_id=int(os.environ["JAX_PROCESS_ID"]))
+        kwargs = dict(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
     jax.distributed.initialize(**kwargs)
     logging.info("jax.distributed: process %d of %d", jax.process_index(), jax.process_count())
 
@@ -58,7 +61,8 @@ def check_batch_size(global_batch: int, what: str = "batch_size") -> None:
     if global_batch % devices:
         raise ValueError(
             f"global {what}={global_batch} is not divisible by the {devices} devices; "
-            f"use a multiple of {devices}")
+            f"use a multiple of {devices}"
+        )
     if global_batch % hosts:
         raise ValueError(f"global {what}={global_batch} is not divisible by {hosts} hosts")
 
@@ -66,8 +70,10 @@ def check_batch_size(global_batch: int, what: str = "batch_size") -> None:
 def to_global(local_batch: dict, mesh: Mesh) -> dict:
     """Assembles each host's slice of the batch into global arrays sharded over devices."""
     sharding = batch_sharded(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-            for k, v in local_batch.items()}
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+        for k, v in local_batch.items()
+    }
 
 
 def prefetch_to_mesh(iterator: Iterator[dict], mesh: Mesh, size: int = 2) -> Iterator[dict]:

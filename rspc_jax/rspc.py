@@ -15,20 +15,21 @@ One file, each piece a pure function that can be tested alone:
 5. `rspc_loss`: one forward over [x_hat; x], CE on the clean half only, CE + lam * L_align.
 
 Deviations of the official code from the paper's wording (all defaults follow the code;
-`../shared/reference/rspc-method.md`): the noise is U[0,1) in *normalised* space and
+docs/method.md, "Paper vs official code"): the noise is U[0,1) in *normalised* space and
 clamped to the ImageNet-normalised [0,1] range; the loss is a mean, not a sum of
 squares; C ascends the full loss (CE reaches C only through BatchNorm statistics); the
 official C gradient is that of the GradScaler-scaled loss (S = 2**16 at the start of
 training), which the `grad_scale` of the STE emulates.
 """
 
+from collections.abc import Sequence
 import functools
 import math
-from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from rspc_jax.models import layers
@@ -56,27 +57,40 @@ class PatchCorruptionModel(nn.Module):
     def __call__(self, images):
         height, width, channels = images.shape[1:]
         if height % self.patch_size or width % self.patch_size:
-            raise ValueError(f"image size {height}x{width} is not divisible by the RSPC "
-                             f"patch size {self.patch_size}")
+            raise ValueError(
+                f"image size {height}x{width} is not divisible by the RSPC "
+                f"patch size {self.patch_size}"
+            )
         fan_in = channels * self.patch_size**2
-        x = nn.Conv(1, (self.patch_size,) * 2, strides=self.patch_size, padding="VALID",
-                    use_bias=False, kernel_init=layers.torch_default_uniform(fan_in),
-                    name="patch_embed")(images)
+        x = nn.Conv(
+            1,
+            (self.patch_size,) * 2,
+            strides=self.patch_size,
+            padding="VALID",
+            use_bias=False,
+            kernel_init=layers.torch_default_uniform(fan_in),
+            name="patch_embed",
+        )(images)
         x = layers.gelu(x).reshape(images.shape[0], -1)  # row-major patch order
         num_patches = x.shape[1]
-        return nn.Dense(num_patches, use_bias=False,
-                        kernel_init=layers.torch_default_uniform(num_patches), name="fc")(x)
+        return nn.Dense(
+            num_patches,
+            use_bias=False,
+            kernel_init=layers.torch_default_uniform(num_patches),
+            name="fc",
+        )(x)
 
 
 def keep_mask(scores: jax.Array, rho: float) -> jax.Array:
     """1 = keep, 0 = occlude: scores strictly above the per-image linear rho-quantile."""
-    threshold = jnp.quantile(scores.astype(jnp.float32), rho, axis=1, method="linear",
-                             keepdims=True)
+    threshold = jnp.quantile(
+        scores.astype(jnp.float32), rho, axis=1, method="linear", keepdims=True
+    )
     return (scores > threshold).astype(scores.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def binarize(scores: jax.Array, rho: float, clip: Optional[float], grad_scale: float):
+def binarize(scores: jax.Array, rho: float, clip: float | None, grad_scale: float):
     """Straight-through binarisation of patch scores into a keep-mask.
 
     Backward returns `grad_scale * g`, clipped to [-clip, clip] (official: clip = 1,
@@ -117,8 +131,9 @@ def normalized_limits(mean: Sequence[float], std: Sequence[float]):
     return (0.0 - mean) / std, (1.0 - mean) / std
 
 
-def alignment_loss(block_outputs: Sequence[jax.Array],
-                   token_keep: Optional[jax.Array] = None) -> jax.Array:
+def alignment_loss(
+    block_outputs: Sequence[jax.Array], token_keep: jax.Array | None = None
+) -> jax.Array:
     """Mean over blocks of mean((F_l(x_hat) - F_l(x))**2); each output is [corrupted; clean].
 
     With `token_keep` (B, patches) (the token-dropping ablation) the mean runs over the
@@ -152,11 +167,24 @@ def uniform_noise(rng: jax.Array, example_ids: jax.Array, image_shape) -> jax.Ar
     batch is split over devices, so the sharded step equals the single-device step.
     """
     return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(rng, i), image_shape))(
-        example_ids)
+        example_ids
+    )
 
 
-def corrupt_batch(occ_params, images, noise, *, occ_model, rho, ste_clip, grad_scale,
-                  lower, upper, random_scores=None, mask_probe=None):
+def corrupt_batch(
+    occ_params,
+    images,
+    noise,
+    *,
+    occ_model,
+    rho,
+    ste_clip,
+    grad_scale,
+    lower,
+    upper,
+    random_scores=None,
+    mask_probe=None,
+):
     """Builds x_hat = C-selected occlusion of `images`; returns (x_hat, keep-mask (B, N)).
 
     `random_scores` replaces C's scores (the random-selection ablation, Table 3).
@@ -185,10 +213,30 @@ def apply_model(model, params, batch_stats, images, *, compute_dtype=None, **kwa
     return model.apply({"params": params, "batch_stats": batch_stats}, images, **kwargs)
 
 
-def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model, occ_model,
-              rho, lam, ste_clip, grad_scale, lower, upper, rngs, align_blocks=None,
-              random_scores=None, mask_probe=None, compute_dtype=None, objective="align",
-              drop_tokens=False):
+def rspc_loss(
+    params,
+    occ_params,
+    batch_stats,
+    images,
+    targets,
+    noise,
+    *,
+    model,
+    occ_model,
+    rho,
+    lam,
+    ste_clip,
+    grad_scale,
+    lower,
+    upper,
+    rngs,
+    align_blocks=None,
+    random_scores=None,
+    mask_probe=None,
+    compute_dtype=None,
+    objective="align",
+    drop_tokens=False,
+):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
@@ -200,35 +248,112 @@ def rspc_loss(params, occ_params, batch_stats, images, targets, noise, *, model,
     model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
     """
     corrupted, mask = corrupt_batch(
-        occ_params, images, noise, occ_model=occ_model, rho=rho, ste_clip=ste_clip,
-        grad_scale=grad_scale, lower=lower, upper=upper, random_scores=random_scores,
-        mask_probe=mask_probe)
+        occ_params,
+        images,
+        noise,
+        occ_model=occ_model,
+        rho=rho,
+        ste_clip=ste_clip,
+        grad_scale=grad_scale,
+        lower=lower,
+        upper=upper,
+        random_scores=random_scores,
+        mask_probe=mask_probe,
+    )
     token_keep, kwargs = None, {}
     if drop_tokens:
         corrupted, token_keep = images, mask
         kwargs = dict(token_keep=jnp.concatenate([mask, jnp.ones_like(mask)]))
     logits, state = apply_model(
-        model, params, batch_stats, jnp.concatenate([corrupted, images]),
-        compute_dtype=compute_dtype, train=True, mutable=["intermediates", "batch_stats"],
-        rngs=rngs, **kwargs)
+        model,
+        params,
+        batch_stats,
+        jnp.concatenate([corrupted, images]),
+        compute_dtype=compute_dtype,
+        train=True,
+        mutable=["intermediates", "batch_stats"],
+        rngs=rngs,
+        **kwargs,
+    )
     corrupted_logits, clean_logits = jnp.split(logits, 2)
     ce = cross_entropy(clean_logits, targets)
     if objective == "ce":
-        align = cross_entropy(corrupted_logits, targets)   # logged as 'align' too
+        align = cross_entropy(corrupted_logits, targets)  # logged as 'align' too
     else:
         block_outputs = state["intermediates"]["block_outputs"]
         if align_blocks is not None:
             block_outputs = [block_outputs[i] for i in align_blocks]
         align = alignment_loss(block_outputs, token_keep)
     total = ce + lam * align
-    aux = dict(ce=ce, align=align, logits=clean_logits, keep=mask,
-               batch_stats=state.get("batch_stats", {}))
+    aux = dict(
+        ce=ce, align=align, logits=clean_logits, keep=mask, batch_stats=state.get("batch_stats", {})
+    )
     return total, aux
 
 
 def plain_loss(params, batch_stats, images, targets, *, model, rngs, compute_dtype=None):
     """The baseline (rspc.enabled = False): CE on the clean batch through the same loop."""
-    logits, state = apply_model(model, params, batch_stats, images, compute_dtype=compute_dtype,
-                                train=True, mutable=["batch_stats"], rngs=rngs)
+    logits, state = apply_model(
+        model,
+        params,
+        batch_stats,
+        images,
+        compute_dtype=compute_dtype,
+        train=True,
+        mutable=["batch_stats"],
+        rngs=rngs,
+    )
     ce = cross_entropy(logits, targets)
     return ce, dict(ce=ce, logits=logits, batch_stats=state.get("batch_stats", {}))
+
+
+# --------------------------------------------------------------------------------------
+# The corruption model's optimizer and the settings a run config resolves to
+
+
+def negate_finite() -> optax.GradientTransformation:
+    """grad <- -nan_to_num(grad, 0, 0, 0): the official `reverse_grad`, turning SGD into ascent."""
+    return optax.stateless(
+        lambda updates, _: jax.tree.map(
+            lambda g: -jnp.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0), updates
+        )
+    )
+
+
+def corruption_optimizer(config) -> optax.GradientTransformation:
+    """Gradient *ascent* for C in the official order.
+
+    clip to global norm -> negate (NaN/Inf -> 0) -> coupled L2 weight decay (torch SGD
+    adds wd * param after the negation, so decay still shrinks C) -> Nesterov momentum
+    SGD at a constant learning rate.
+    """
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        negate_finite(),
+        optax.add_decayed_weights(config.weight_decay),
+        optax.sgd(config.lr, momentum=config.momentum, nesterov=config.nesterov),
+    )
+
+
+def corruption_patch_size(rspc_config, model) -> int:
+    """C's patch size: `rspc.patch_size`, or 0 for the model's token size."""
+    return rspc_config.patch_size or model.patch_size
+
+
+def occlusion_fill(rspc_config, mean: Sequence[float], std: Sequence[float]):
+    """(noise_mean, noise_std, lower, upper) of eq. 1 for a dataset normalised with
+    (`mean`, `std`): U[0,1) noise in normalised space (official) or in pixel space, then a
+    clamp to the ImageNet-normalised or the dataset's normalised [0,1] range, or none."""
+    if rspc_config.noise_space == "pixel":
+        noise_mean, noise_std = tuple(mean), tuple(std)
+    else:
+        noise_mean, noise_std = (0.0,), (1.0,)
+    lower = upper = None
+    if rspc_config.clamp != "none":
+        clamp_mean, clamp_std = (
+            (IMAGENET_MEAN, IMAGENET_STD) if rspc_config.clamp == "imagenet" else (mean, std)
+        )
+        lower, upper = (
+            tuple(float(v) for v in np.asarray(a)) for a in normalized_limits(clamp_mean, clamp_std)
+        )
+    return noise_mean, noise_std, lower, upper

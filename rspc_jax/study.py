@@ -1,25 +1,27 @@
 """The small-scale reproduction study: `python -m rspc_jax.study --config=configs/demo_study.py
---workdir=DIR` (rspc_jax.study_runner: what it trains, evaluates and writes)."""
+--workdir=DIR` (rspc_jax.tools.study: what it trains, evaluates and writes)."""
 
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
-from rspc_jax import cli
+from rspc_jax.tools import cli
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo_study.py"),
-    "The study's config file (base run, config.study, config.evaluation).", lock_config=False)
+    "config",
+    os.path.join(os.path.dirname(__file__), "..", "configs", "demo_study.py"),
+    "The study's config file (base run, config.study, config.evaluation).",
+    lock_config=False,
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs, results.md and figures go.")
 
 
 def main(argv):
     if not _WORKDIR.value:
         raise app.UsageError("pass --workdir (where the study's runs and results go)")
-    from rspc_jax import study_runner
+    from rspc_jax.tools import study as study_runner
 
     config = cli.start(argv, _CONFIG.value)
     command = "python -m rspc_jax.study " + " ".join(sys.argv[1:])

@@ -45,6 +45,7 @@ def assert_close(ours, ref, tol: float, name: str) -> None:
 def assert_trees_equal(ours, ref) -> None:
     """Same tree structure and bitwise equal leaves."""
     import jax
+
     assert jax.tree.structure(ours) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -58,9 +59,10 @@ def activation_tol(ref) -> float:
 @pytest.fixture(scope="session")
 def digits_data_dir(tmp_path_factory) -> str:
     """The embedded digits dataset, prepared once per session (no network)."""
-    from rspc_jax import input_pipeline
+    from rspc_jax.data import specs as datasets
+
     data_dir = str(tmp_path_factory.mktemp("tfds"))
-    input_pipeline.get_builder("sklearn_digits", data_dir)
+    datasets.get_builder("sklearn_digits", data_dir)
     return data_dir
 
 
@@ -69,9 +71,18 @@ def demo_run(digits_data_dir, tmp_path_factory):
     """configs/demo.py:smoke through `python -m rspc_jax.main` as the README runs it (a
     relative workdir), with an EMA; (workdir, CompletedProcess), run once per session."""
     cwd = tmp_path_factory.mktemp("demo_run")
-    result = run_python(["-m", "rspc_jax.main", f"--config={REPO}/configs/demo.py:smoke",
-                         "--workdir=demo", f"--config.data_dir={digits_data_dir}",
-                         "--config.ema_decay=0.9"], timeout=300, cwd=cwd)
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.main",
+            f"--config={REPO}/configs/demo.py:smoke",
+            "--workdir=demo",
+            f"--config.data_dir={digits_data_dir}",
+            "--config.ema_decay=0.9",
+        ],
+        timeout=300,
+        cwd=cwd,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return cwd / "demo", result
 
@@ -98,5 +109,6 @@ def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cw
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, timeout=timeout,
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True
+    )

@@ -9,11 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from rspc_jax import ablations
-from rspc_jax import models
-from rspc_jax import adversarial_training as adv
-from rspc_jax import rspc
-from rspc_jax import train
+from rspc_jax import models, rspc
+from rspc_jax.training import ablations, setup
+from rspc_jax.training import adversarial as adv
 from tests.conftest import run_python, smoke_config
 
 MEAN, STD = (0.3, 0.3, 0.3), (0.4, 0.4, 0.4)
@@ -23,7 +21,7 @@ MEAN, STD = (0.3, 0.3, 0.3), (0.4, 0.4, 0.4)
 def tiny(digits_data_dir):
     """A deterministic 1-block ViT (no dropout) with a fixed batch in normalised space."""
     config = smoke_config(digits_data_dir, **{"model.depth": 1, "model.drop_path_rate": 0.0})
-    model = train.build_model(config, 10)
+    model = setup.build_model(config, 10)
     rng = np.random.default_rng(0)
     pixels = rng.uniform(0, 1, (6, 32, 32, 3)).astype(np.float32)
     images = jnp.asarray((pixels - np.asarray(MEAN)) / np.asarray(STD), jnp.float32)
@@ -32,12 +30,21 @@ def tiny(digits_data_dir):
     return model, params, images, jax.nn.one_hot(labels, 10)
 
 
-def _settings(method, eps=8 / 255, steps=1, step_size=0.0, beta=6.0, warmup_epochs=0,
-              steps_per_epoch=1):
-    config = smoke_config("", **{"rspc.enabled": False, "adversarial.method": method,
-                                 "adversarial.eps": eps, "adversarial.steps": steps,
-                                 "adversarial.step_size": step_size, "adversarial.beta": beta,
-                                 "adversarial.eps_warmup_epochs": warmup_epochs})
+def _settings(
+    method, eps=8 / 255, steps=1, step_size=0.0, beta=6.0, warmup_epochs=0, steps_per_epoch=1
+):
+    config = smoke_config(
+        "",
+        **{
+            "rspc.enabled": False,
+            "adversarial.method": method,
+            "adversarial.eps": eps,
+            "adversarial.steps": steps,
+            "adversarial.step_size": step_size,
+            "adversarial.beta": beta,
+            "adversarial.eps_warmup_epochs": warmup_epochs,
+        },
+    )
     return adv.resolve(config, steps_per_epoch)
 
 
@@ -47,10 +54,20 @@ def _loss(tiny, settings, step=1000, params=None):
 
     @jax.jit
     def loss(params):
-        return adv.adversarial_loss(params, {}, images, targets, jax.random.PRNGKey(3),
-                                    jnp.arange(images.shape[0]), step, model=model,
-                                    settings=settings, mean=MEAN, std=STD,
-                                    rngs={"dropout": jax.random.PRNGKey(4)})
+        return adv.adversarial_loss(
+            params,
+            {},
+            images,
+            targets,
+            jax.random.PRNGKey(3),
+            jnp.arange(images.shape[0]),
+            step,
+            model=model,
+            settings=settings,
+            mean=MEAN,
+            std=STD,
+            rngs={"dropout": jax.random.PRNGKey(4)},
+        )
 
     return loss(params if params is not None else p)
 
@@ -58,8 +75,12 @@ def _loss(tiny, settings, step=1000, params=None):
 def _logits_of_pixels(tiny, pixels, params=None):
     model, p, _, _ = tiny
     x = (pixels - jnp.asarray(MEAN)) / jnp.asarray(STD)
-    return model.apply({"params": params if params is not None else p}, x, train=True,
-                       rngs={"dropout": jax.random.PRNGKey(4)})
+    return model.apply(
+        {"params": params if params is not None else p},
+        x,
+        train=True,
+        rngs={"dropout": jax.random.PRNGKey(4)},
+    )
 
 
 def test_epsilon_warms_up_linearly_per_epoch():
@@ -79,8 +100,14 @@ def test_perturbations_stay_in_the_ball_and_pixel_range(tiny, method, steps):
     def attack_loss(x):
         return optax.softmax_cross_entropy(_logits_of_pixels(tiny, x), targets).sum()
 
-    x_adv = adv.signed_ascent(attack_loss, pixels, start, eps=settings.eps,
-                              step_size=settings.step_size, steps=settings.steps)
+    x_adv = adv.signed_ascent(
+        attack_loss,
+        pixels,
+        start,
+        eps=settings.eps,
+        step_size=settings.step_size,
+        steps=settings.steps,
+    )
     for x in (start, x_adv):
         assert float(jnp.abs(x - pixels).max()) <= settings.eps + 1e-6
         assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
@@ -88,10 +115,14 @@ def test_perturbations_stay_in_the_ball_and_pixel_range(tiny, method, steps):
 
 
 def test_more_pgd_steps_never_lower_the_training_loss(tiny):
-    clean = float(rspc.cross_entropy(_logits_of_pixels(
-        tiny, tiny[2] * jnp.asarray(STD) + jnp.asarray(MEAN)), tiny[3]))
-    losses = [float(_loss(tiny, _settings("pgd", steps=k, step_size=2 / 255))[0])
-              for k in (1, 3, 10)]
+    clean = float(
+        rspc.cross_entropy(
+            _logits_of_pixels(tiny, tiny[2] * jnp.asarray(STD) + jnp.asarray(MEAN)), tiny[3]
+        )
+    )
+    losses = [
+        float(_loss(tiny, _settings("pgd", steps=k, step_size=2 / 255))[0]) for k in (1, 3, 10)
+    ]
     assert clean < losses[0] <= losses[1] <= losses[2], (clean, losses)
 
 
@@ -110,8 +141,9 @@ def test_trades_equals_a_direct_computation(tiny):
         return jnp.sum(p_clean * (jnp.log(p_clean) - log_q))
 
     for _ in range(3):
-        x = jnp.clip(jnp.clip(x + step * jnp.sign(jax.grad(kl_sum)(x)), pixels - eps,
-                              pixels + eps), 0, 1)
+        x = jnp.clip(
+            jnp.clip(x + step * jnp.sign(jax.grad(kl_sum)(x)), pixels - eps, pixels + eps), 0, 1
+        )
 
     def direct(params):
         clean = _logits_of_pixels(tiny, pixels, params)
@@ -134,8 +166,9 @@ def test_trades_with_beta_zero_is_clean_training(tiny):
     settings = _settings("trades", steps=2, beta=0.0)
 
     def plain(params):
-        return rspc.plain_loss(params, {}, images, targets, model=model,
-                               rngs={"dropout": jax.random.PRNGKey(4)})[0]
+        return rspc.plain_loss(
+            params, {}, images, targets, model=model, rngs={"dropout": jax.random.PRNGKey(4)}
+        )[0]
 
     ours = jax.value_and_grad(lambda p: _loss(tiny, settings, params=p)[0])(params)
     expected = jax.value_and_grad(plain)(params)
@@ -148,9 +181,18 @@ def test_random_selection_occludes_as_many_patches_as_the_corruption_model(tiny)
     _, _, images, _ = tiny
     occ_model = rspc.PatchCorruptionModel(8)
     occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
-    corrupt = functools.partial(rspc.corrupt_batch, occ_params, images, jnp.zeros_like(images),
-                                occ_model=occ_model, rho=0.25, ste_clip=1.0, grad_scale=1.0,
-                                lower=None, upper=None)
+    corrupt = functools.partial(
+        rspc.corrupt_batch,
+        occ_params,
+        images,
+        jnp.zeros_like(images),
+        occ_model=occ_model,
+        rho=0.25,
+        ste_clip=1.0,
+        grad_scale=1.0,
+        lower=None,
+        upper=None,
+    )
     _, learned = corrupt()
     _, random = corrupt(random_scores=jax.random.uniform(jax.random.PRNGKey(6), (6, 16)))
     expected = rspc.num_occluded(16, 0.25)
@@ -164,26 +206,46 @@ def test_ce_objective_sends_the_occluded_cross_entropy_to_the_corruption_model(t
     occ_model = rspc.PatchCorruptionModel(8)
     occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
     noise = jax.random.uniform(jax.random.PRNGKey(7), images.shape)
-    common = dict(model=model, occ_model=occ_model, rho=0.25, lam=0.7, ste_clip=None,
-                  grad_scale=1.0, lower=None, upper=None, rngs={"dropout": jax.random.PRNGKey(4)})
+    common = dict(
+        model=model,
+        occ_model=occ_model,
+        rho=0.25,
+        lam=0.7,
+        ste_clip=None,
+        grad_scale=1.0,
+        lower=None,
+        upper=None,
+        rngs={"dropout": jax.random.PRNGKey(4)},
+    )
 
     def ours(occ_params, objective):
-        return rspc.rspc_loss(params, occ_params, {}, images, targets, noise,
-                              objective=objective, **common)[0]
+        return rspc.rspc_loss(
+            params, occ_params, {}, images, targets, noise, objective=objective, **common
+        )[0]
 
     def direct(occ_params):
-        corrupted, _ = rspc.corrupt_batch(occ_params, images, noise, occ_model=occ_model,
-                                          rho=0.25, ste_clip=None, grad_scale=1.0,
-                                          lower=None, upper=None)
-        logits = model.apply({"params": params}, corrupted, train=True,
-                             rngs={"dropout": jax.random.PRNGKey(4)})
+        corrupted, _ = rspc.corrupt_batch(
+            occ_params,
+            images,
+            noise,
+            occ_model=occ_model,
+            rho=0.25,
+            ste_clip=None,
+            grad_scale=1.0,
+            lower=None,
+            upper=None,
+        )
+        logits = model.apply(
+            {"params": params}, corrupted, train=True, rngs={"dropout": jax.random.PRNGKey(4)}
+        )
         return 0.7 * rspc.cross_entropy(logits, targets)
 
     grad_ce = jax.grad(ours)(occ_params, "ce")
     grad_direct = jax.grad(direct)(occ_params)
     grad_align = jax.grad(ours)(occ_params, "align")
-    for a, b, c in zip(jax.tree.leaves(grad_ce), jax.tree.leaves(grad_direct),
-                       jax.tree.leaves(grad_align)):
+    for a, b, c in zip(
+        jax.tree.leaves(grad_ce), jax.tree.leaves(grad_direct), jax.tree.leaves(grad_align)
+    ):
         assert float(jnp.abs(b).max()) > 0
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8)
         assert not np.allclose(a, c)
@@ -192,8 +254,9 @@ def test_ce_objective_sends_the_occluded_cross_entropy_to_the_corruption_model(t
 def _patch_vit(pool):
     """A ViT whose tokens are disjoint 8x8 patches (patch stem), so a patch's pixels reach
     only its own token."""
-    model = models.create("vit_tiny", num_classes=10, width=32, depth=2, num_heads=2,
-                          patch_size=8, pool=pool)
+    model = models.create(
+        "vit_tiny", num_classes=10, width=32, depth=2, num_heads=2, patch_size=8, pool=pool
+    )
     images = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 32, 3))
     return model, model.init(jax.random.PRNGKey(1), images, train=False), images
 
@@ -202,11 +265,12 @@ def _patch_vit(pool):
 def test_dropped_tokens_leave_no_trace_in_the_kept_ones(pool):
     model, variables, images = _patch_vit(pool)
     keep = np.ones((2, 16), np.float32)
-    keep[:, [0, 5, 9]] = 0.0   # patches (0, 0), (1, 1), (2, 1) of the 4x4 grid
+    keep[:, [0, 5, 9]] = 0.0  # patches (0, 0), (1, 1), (2, 1) of the 4x4 grid
 
     def run(x, token_keep):
-        logits, state = model.apply(variables, x, train=False, token_keep=token_keep,
-                                    mutable=["intermediates"])
+        logits, state = model.apply(
+            variables, x, train=False, token_keep=token_keep, mutable=["intermediates"]
+        )
         return logits, state["intermediates"]["block_outputs"]
 
     logits, blocks = run(images, keep)
@@ -222,8 +286,9 @@ def test_dropped_tokens_leave_no_trace_in_the_kept_ones(pool):
     for ours, ref in zip(changed_blocks, blocks):
         np.testing.assert_allclose(ours[:, kept], ref[:, kept], atol=1e-5)
     # Keeping everything is the model itself; a kept patch does reach the output.
-    np.testing.assert_allclose(run(images, np.ones_like(keep))[0],
-                               model.apply(variables, images, train=False), atol=1e-6)
+    np.testing.assert_allclose(
+        run(images, np.ones_like(keep))[0], model.apply(variables, images, train=False), atol=1e-6
+    )
     assert not np.allclose(run(images.at[:, :8, 8:16].set(0.0), keep)[0], logits, atol=1e-4)
 
 
@@ -232,24 +297,45 @@ def test_token_dropping_aligns_kept_tokens_and_trains_the_corruption_model():
     occ_model = rspc.PatchCorruptionModel(8)
     occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
     targets = jax.nn.one_hot(jnp.arange(2), 10)
-    common = dict(model=model, occ_model=occ_model, rho=0.25, lam=1.0, ste_clip=None,
-                  grad_scale=1.0, lower=None, upper=None, rngs={}, drop_tokens=True)
+    common = dict(
+        model=model,
+        occ_model=occ_model,
+        rho=0.25,
+        lam=1.0,
+        ste_clip=None,
+        grad_scale=1.0,
+        lower=None,
+        upper=None,
+        rngs={},
+        drop_tokens=True,
+    )
 
     def loss(occ_params):
-        return rspc.rspc_loss(variables["params"], occ_params, {}, images, targets,
-                              jnp.zeros_like(images), **common)
+        return rspc.rspc_loss(
+            variables["params"], occ_params, {}, images, targets, jnp.zeros_like(images), **common
+        )
 
     (total, aux), grads = jax.value_and_grad(loss, has_aux=True)(occ_params)
     keep = np.asarray(aux["keep"])
     assert (1 - keep).sum(1).tolist() == [rspc.num_occluded(16, 0.25)] * 2
     # L_align by hand: the dropped forward against the clean one, over the kept tokens.
-    _, dropped = model.apply(variables, images, train=True, token_keep=keep, mutable=["intermediates"])
+    _, dropped = model.apply(
+        variables, images, train=True, token_keep=keep, mutable=["intermediates"]
+    )
     _, clean = model.apply(variables, images, train=True, mutable=["intermediates"])
     kept = np.concatenate([[True], keep[0] > 0]), np.concatenate([[True], keep[1] > 0])
-    by_hand = np.mean([np.mean(np.concatenate([np.square(np.asarray(d[b] - c[b]))[kept[b]].ravel()
-                                               for b in range(2)]))
-                       for d, c in zip(dropped["intermediates"]["block_outputs"],
-                                       clean["intermediates"]["block_outputs"])])
+    by_hand = np.mean(
+        [
+            np.mean(
+                np.concatenate(
+                    [np.square(np.asarray(d[b] - c[b]))[kept[b]].ravel() for b in range(2)]
+                )
+            )
+            for d, c in zip(
+                dropped["intermediates"]["block_outputs"], clean["intermediates"]["block_outputs"]
+            )
+        ]
+    )
     np.testing.assert_allclose(aux["align"], by_hand, rtol=1e-5)
     assert float(aux["align"]) > 0
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)) > 0
@@ -258,15 +344,17 @@ def test_token_dropping_aligns_kept_tokens_and_trains_the_corruption_model():
 def test_token_dropping_is_refused_for_grid_models():
     config = smoke_config("", model_name="rvt_tiny", **{"rspc.fill": "drop"})
     config.model = dict(base_dims=(8, 8), depth=(1, 1), heads=(2, 4))
-    model = train.build_model(config, 10)
+    model = setup.build_model(config, 10)
     with pytest.raises(ValueError, match="cannot do .RVT, FAN and XCiT"):
-        train.check_model_fits(config, model)
+        setup.check_model_fits(config, model)
 
 
 _ABLATION_SCRIPT = """
 import sys, importlib.util
 import jax, numpy as np
-from rspc_jax import ablations, input_pipeline, parallel, train
+from rspc_jax import parallel
+from rspc_jax.data import specs as datasets
+from rspc_jax.training import ablations, setup
 spec = importlib.util.spec_from_file_location("ablations_config", "configs/ablations.py")
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
@@ -278,10 +366,10 @@ for name in ablations.ABLATIONS:
     config = module.get_config(f"demo/{name}")
     config.update(dict(data_dir=sys.argv[1], batch_size=8))
     config.model.update(dict(depth=1, width=16, num_heads=1))
-    train.validate_config(config)
-    data = input_pipeline.dataset_spec(config.dataset)
-    model = train.build_model(config, data.num_classes)
-    parts = train.build(config, model, data, mesh, steps_per_epoch=10, total_steps=20)
+    setup.validate_config(config)
+    data = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, data.num_classes)
+    parts = setup.build(config, model, data, mesh, steps_per_epoch=10, total_steps=20)
     state = parts.init(jax.random.PRNGKey(0))
     for _ in range(2):
         state, metrics = parts.train_step(state, parallel.to_global(batch, mesh))
@@ -301,8 +389,10 @@ def test_every_ablation_config_takes_finite_steps(digits_data_dir):
 
 def test_adversarial_training_with_rspc_or_a_bad_eps_is_refused():
     with pytest.raises(ValueError, match="set config.rspc.enabled=False"):
-        train.validate_config(smoke_config("", **{"adversarial.method": "fgsm"}))
+        setup.validate_config(smoke_config("", **{"adversarial.method": "fgsm"}))
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
-        train.validate_config(smoke_config("", **{"adversarial.method": "pgd",
-                                                  "rspc.enabled": False,
-                                                  "adversarial.eps": 8.0}))
+        setup.validate_config(
+            smoke_config(
+                "", **{"adversarial.method": "pgd", "rspc.enabled": False, "adversarial.eps": 8.0}
+            )
+        )

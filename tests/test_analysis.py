@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from rspc_jax import models
-from rspc_jax.analysis import attention_masks
-from rspc_jax.analysis import run as analysis_run
-from rspc_jax.analysis import similarity
+from rspc_jax.evaluation.analysis import attention_masks, similarity
+from rspc_jax.evaluation.analysis import run_analyses as analysis_run
 from rspc_jax.models import interventions
 from tests.conftest import REPO, run_python, smoke_config
 
@@ -31,7 +30,9 @@ def test_a_layer_correlates_with_itself_and_sizes_must_match():
     np.testing.assert_allclose(np.diag(sums) / 6, 1.0, rtol=1e-6)
     assert np.isnan(sums[0, 2]) and np.isnan(sums[2, 1])
     expected = np.mean([np.corrcoef(a[i], -2 * a[i] + 1)[0, 1] for i in range(6)])
-    assert similarity.pearson_sums([a, -2 * a + 1], jnp.ones(6))[0, 1] / 6 == pytest.approx(expected)
+    assert similarity.pearson_sums([a, -2 * a + 1], jnp.ones(6))[0, 1] / 6 == pytest.approx(
+        expected
+    )
 
 
 def test_cka_is_one_on_the_diagonal_and_invariant_to_orthogonal_transforms():
@@ -52,8 +53,12 @@ def test_padded_examples_do_not_change_the_hsic():
     x, y = rng.normal(size=(8, 5)), rng.normal(size=(8, 3))
     padded = [np.concatenate([f, rng.normal(size=(4, f.shape[1]))]) for f in (x, y)]
     mask = jnp.asarray([1.0] * 8 + [0.0] * 4)
-    np.testing.assert_allclose(similarity.hsic_sums(padded, mask),
-                               similarity.hsic_sums([x, y], jnp.ones(8)), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        similarity.hsic_sums(padded, mask),
+        similarity.hsic_sums([x, y], jnp.ones(8)),
+        rtol=1e-4,
+        atol=1e-6,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -77,8 +82,11 @@ def _zeroed(variables, paths):
         return keys[0] == path[0] and all(any(p in k for k in keys[1:]) for p in path[1:])
 
     params = jax.tree_util.tree_map_with_path(
-        lambda path, v: jnp.zeros_like(v) if any(
-            matches([k.key for k in path], p) for p in paths) else v, variables["params"])
+        lambda path, v: (
+            jnp.zeros_like(v) if any(matches([k.key for k in path], p) for p in paths) else v
+        ),
+        variables["params"],
+    )
     return {**variables, "params": params}
 
 
@@ -86,39 +94,54 @@ def test_keeping_everything_is_the_model_itself(vit):
     model, variables = vit
     keep = interventions.keep_all(2)
     np.testing.assert_array_equal(
-        interventions.apply(model, variables, IMAGES, interventions.Intervention(keep=keep), train=False),
-        model.apply(variables, IMAGES, train=False))
+        interventions.apply(
+            model, variables, IMAGES, interventions.Intervention(keep=keep), train=False
+        ),
+        model.apply(variables, IMAGES, train=False),
+    )
 
 
-@pytest.mark.parametrize("branches,zeroed", [
-    (("attn", "mlp"), [("blocks_1", "attn", "proj"), ("blocks_1", "mlp", "fc2")]),
-    (("attn",), [("blocks_1", "attn", "proj")]),
-    (("mlp",), [("blocks_1", "mlp", "fc2")])])
+@pytest.mark.parametrize(
+    "branches,zeroed",
+    [
+        (("attn", "mlp"), [("blocks_1", "attn", "proj"), ("blocks_1", "mlp", "fc2")]),
+        (("attn",), [("blocks_1", "attn", "proj")]),
+        (("mlp",), [("blocks_1", "mlp", "fc2")]),
+    ],
+)
 def test_a_lesion_equals_zeroing_the_branch_output_by_hand(vit, branches, zeroed):
     model, variables = vit
     keep = interventions.keep_all(2)
     for branch in branches:
         keep[1, interventions.BRANCHES.index(branch)] = 0.0
-    lesioned = interventions.apply(model, variables, IMAGES, interventions.Intervention(keep=keep),
-                                   train=False)
+    lesioned = interventions.apply(
+        model, variables, IMAGES, interventions.Intervention(keep=keep), train=False
+    )
     by_hand = model.apply(_zeroed(variables, zeroed), IMAGES, train=False)
     np.testing.assert_allclose(lesioned, by_hand, atol=1e-5)
     assert not np.allclose(lesioned, model.apply(variables, IMAGES, train=False), atol=1e-3)
 
 
 def test_an_xcit_block_lesion_removes_attention_lpi_and_mlp():
-    model, variables = _model_and_variables("xcit_nano_12_p16_224", embed_dim=16, depth=2,
-                                            num_heads=2, cls_attn_layers=1)
+    model, variables = _model_and_variables(
+        "xcit_nano_12_p16_224", embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1
+    )
     keep = interventions.keep_all(2)
     keep[0] = 0.0
-    lesioned = interventions.apply(model, variables, IMAGES, interventions.Intervention(keep=keep),
-                                   train=False)
+    lesioned = interventions.apply(
+        model, variables, IMAGES, interventions.Intervention(keep=keep), train=False
+    )
     by_hand = model.apply(_zeroed(variables, [("blocks_0", "gamma")]), IMAGES, train=False)
     np.testing.assert_allclose(lesioned, by_hand, atol=1e-5)
     with pytest.raises(ValueError, match="between channels"):
         bias = attention_masks.bias(np.ones((4, 4), bool))
-        interventions.apply(model, variables, IMAGES,
-                            interventions.Intervention(attention_bias=(bias, bias)), train=False)
+        interventions.apply(
+            model,
+            variables,
+            IMAGES,
+            interventions.Intervention(attention_bias=(bias, bias)),
+            train=False,
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -127,8 +150,15 @@ def test_an_xcit_block_lesion_removes_attention_lpi_and_mlp():
 
 def _attention(model, variables, allowed):
     intervention = interventions.Intervention(attention_bias=(attention_masks.bias(allowed),) * 2)
-    logits, state = interventions.apply(model, variables, IMAGES, intervention, train=False,
-                                        sow_attention=True, mutable=["intermediates"])
+    logits, state = interventions.apply(
+        model,
+        variables,
+        IMAGES,
+        intervention,
+        train=False,
+        sow_attention=True,
+        mutable=["intermediates"],
+    )
     return logits, state["intermediates"]["attention_maps"]
 
 
@@ -170,22 +200,32 @@ def test_no_patch_attention_without_a_class_token_keeps_the_patch_itself():
 # --------------------------------------------------------------------------------------
 # the analyses on the demo checkpoint
 
-QUICK = {"analysis.num_examples": 64, "analysis.lesion_samples": 3,
-         "analysis.spatial_examples": 64}
+QUICK = {"analysis.num_examples": 64, "analysis.lesion_samples": 3, "analysis.spatial_examples": 64}
 
 
 def _analyze(demo_run, data_dir, out, analyses, **overrides):
     config = smoke_config(data_dir, **{**QUICK, **overrides})
-    return analysis_run.analyze(config, analyses=analyses, workdir=str(demo_run[0]), out=str(out))
+    return analysis_run.run_analyses(
+        config, analyses=analyses, workdir=str(demo_run[0]), out=str(out)
+    )
 
 
 @pytest.fixture(scope="module")
 def demo_analyses(demo_run, digits_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("analysis")
-    single_point = {"analysis.max_translation": 0.0, "analysis.translations": 1,
-                    "analysis.max_rotation": 0.0, "analysis.rotations": 1}
-    results = _analyze(demo_run, digits_data_dir, out,
-                       "layer_correlation,lesion,restricted_attention,spatial_attack", **single_point)
+    single_point = {
+        "analysis.max_translation": 0.0,
+        "analysis.translations": 1,
+        "analysis.max_rotation": 0.0,
+        "analysis.rotations": 1,
+    }
+    results = _analyze(
+        demo_run,
+        digits_data_dir,
+        out,
+        "layer_correlation,lesion,restricted_attention,spatial_attack",
+        **single_point,
+    )
     return out, results
 
 
@@ -213,14 +253,24 @@ def test_no_intervention_and_the_identity_grid_point_give_the_clean_accuracy(dem
     assert results["restricted_attention"]["local"][-1] == clean  # radius 3 covers the grid
 
 
-def test_more_grid_points_never_raise_robust_accuracy(demo_run, digits_data_dir, tmp_path,
-                                                      demo_analyses):
+def test_more_grid_points_never_raise_robust_accuracy(
+    demo_run, digits_data_dir, tmp_path, demo_analyses
+):
     clean = demo_analyses[1]["spatial_attack"]["robust"]
     robust = []
     for translations, rotations in ((3, 1), (3, 3)):
-        result = _analyze(demo_run, digits_data_dir, tmp_path, "spatial_attack",
-                          **{"analysis.max_translation": 2.0, "analysis.translations": translations,
-                             "analysis.max_rotation": 20.0, "analysis.rotations": rotations})
+        result = _analyze(
+            demo_run,
+            digits_data_dir,
+            tmp_path,
+            "spatial_attack",
+            **{
+                "analysis.max_translation": 2.0,
+                "analysis.translations": translations,
+                "analysis.max_rotation": 20.0,
+                "analysis.rotations": rotations,
+            },
+        )
         robust.append(result["spatial_attack"]["robust"])
         assert result["spatial_attack"]["clean"] == clean
     assert robust[1] <= robust[0] <= clean
@@ -232,9 +282,15 @@ def test_unknown_analysis_is_named(demo_run, digits_data_dir, tmp_path):
 
 
 def test_cli_runs_an_analysis_and_refuses_stray_arguments(demo_run, digits_data_dir, tmp_path):
-    common = ["-m", "rspc_jax.analyze", f"--config={REPO}/configs/demo.py:smoke",
-              f"--workdir={demo_run[0]}", f"--config.data_dir={digits_data_dir}",
-              f"--out={tmp_path}", "--config.analysis.num_examples=16"]
+    common = [
+        "-m",
+        "rspc_jax.analyze",
+        f"--config={REPO}/configs/demo.py:smoke",
+        f"--workdir={demo_run[0]}",
+        f"--config.data_dir={digits_data_dir}",
+        f"--out={tmp_path}",
+        "--config.analysis.num_examples=16",
+    ]
     result = run_python(common + ["--analysis=layer_correlation"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "cka_all:" in result.stdout

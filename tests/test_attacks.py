@@ -1,4 +1,4 @@
-"""White-box attacks (eval-protocols.md sections 6-7) on tiny models: budgets, attack
+"""White-box attacks (docs/evaluation.md, "Attacks") on tiny models: budgets, attack
 strength ordering, APGD's schedule and step-size logic against a loop transcription of 6.3,
 analytic worst cases of linear models, the DLR formulas and Patch-Fool's patch choice."""
 
@@ -47,24 +47,32 @@ def mlp_attacks():
     once with eps as a traced argument."""
     model = _mlp(_mlp_params(2))
     x = _images(3)
-    y = np.argmax(np.asarray(model(x)), -1)       # clean accuracy 100 %
+    y = np.argmax(np.asarray(model(x)), -1)  # clean accuracy 100 %
     jit = {
         "fgsm": jax.jit(lambda x, y, rng, eps: attacks.fgsm(model, x, y, eps=eps)),
         # 10 steps of eps/4 can cross the ball; RSPC's 5 from a random start cannot
         # everywhere, and such a PGD can be weaker than FGSM on near-linear models.
-        "pgd": jax.jit(lambda x, y, rng, eps: attacks.pgd(
-            model, x, y, rng, eps=eps, step_size=eps / 4, steps=10)),
+        "pgd": jax.jit(
+            lambda x, y, rng, eps: attacks.pgd(
+                model, x, y, rng, eps=eps, step_size=eps / 4, steps=10
+            )
+        ),
         "apgd": jax.jit(lambda x, y, rng, eps: attacks.apgd(model, x, y, rng, eps=eps)[0]),
-        "apgd_dlr": jax.jit(lambda x, y, rng, eps: attacks.apgd(
-            model, x, y, rng, eps=eps, loss="dlr")[0]),
-        "autoattack": jax.jit(lambda x, y, rng, eps: attacks.autoattack(
-            model, x, y, rng, eps=eps, n_target_classes=K - 1)[1]),
+        "apgd_dlr": jax.jit(
+            lambda x, y, rng, eps: attacks.apgd(model, x, y, rng, eps=eps, loss="dlr")[0]
+        ),
+        "autoattack": jax.jit(
+            lambda x, y, rng, eps: attacks.autoattack(
+                model, x, y, rng, eps=eps, n_target_classes=K - 1
+            )[1]
+        ),
     }
     return model, x, y, jit
 
 
-def _robust_accuracy(mlp_attacks, name, eps, rng=jax.random.PRNGKey(0)):
+def _robust_accuracy(mlp_attacks, name, eps, rng=None):
     model, x, y, jit = mlp_attacks
+    rng = jax.random.PRNGKey(0) if rng is None else rng
     out = jit[name](x, y, rng, eps)
     if name == "autoattack":
         return float(np.mean(out))
@@ -75,20 +83,22 @@ def _robust_accuracy(mlp_attacks, name, eps, rng=jax.random.PRNGKey(0)):
 def test_perturbations_stay_in_the_eps_ball_and_pixel_range(mlp_attacks, name):
     model, _, _, jit = mlp_attacks
     x = _images(4)
-    x[:, :, :4] = 0.0                             # pixels at the range limits
+    x[:, :, :4] = 0.0  # pixels at the range limits
     x[:, :, 4:6] = 1.0
     y = np.argmax(np.asarray(model(x)), -1)
     eps = 8 / 255
     x_adv = np.asarray(jit[name](x, y, jax.random.PRNGKey(1), eps))
     assert np.abs(x_adv - x).max() <= eps + 1e-6
     assert x_adv.min() >= 0.0 and x_adv.max() <= 1.0
-    assert np.abs(x_adv - x).max() > eps / 2       # it did move
+    assert np.abs(x_adv - x).max() > eps / 2  # it did move
 
 
 def test_stronger_attacks_give_lower_accuracy(mlp_attacks):
     eps = 4 / 255
-    acc = {name: _robust_accuracy(mlp_attacks, name, eps)
-           for name in ("fgsm", "pgd", "apgd", "autoattack")}
+    acc = {
+        name: _robust_accuracy(mlp_attacks, name, eps)
+        for name in ("fgsm", "pgd", "apgd", "autoattack")
+    }
     assert acc["pgd"] < acc["fgsm"] < 1.0, acc
     assert acc["autoattack"] <= acc["apgd"] < acc["pgd"], acc
 
@@ -121,6 +131,7 @@ def test_apgd_checkpoints():
 def _reference_apgd(loss_grad_pred, x, y, x0, eps, n_iter, rho=0.75):
     """6.3 transcribed as a plain loop over numpy arrays; also counts the step-size
     halvings due to oscillation and to condition 2 alone."""
+
     def project(v):
         return np.clip(np.clip(v, x - eps, x + eps), 0.0, 1.0)
 
@@ -169,8 +180,11 @@ def test_apgd_follows_the_reference_loop(loss, rho):
         model = _mlp(_mlp_params(2, np.float64))
         x = _images(6, batch=32).astype(np.float64)
         y = np.argmax(np.asarray(model(x)), -1)
-        ours_adv, ours_robust = jax.jit(lambda x, y, rng: attacks.apgd(
-            model, x, y, rng, eps=eps, n_iter=n_iter, loss=loss, rho=rho))(x, y, rng)
+        ours_adv, ours_robust = jax.jit(
+            lambda x, y, rng: attacks.apgd(
+                model, x, y, rng, eps=eps, n_iter=n_iter, loss=loss, rho=rho
+            )
+        )(x, y, rng)
 
         def total(x_adv):
             logits = model(x_adv)
@@ -185,8 +199,9 @@ def test_apgd_follows_the_reference_loop(loss, rho):
         t = np.asarray(jax.random.uniform(rng, x.shape, jnp.float64, -1.0, 1.0))
         x0 = np.clip(x + eps * t / np.abs(t).reshape(len(x), -1).max(1)[:, None, None, None], 0, 1)
         ref_adv, ref_robust, n_osc, n_cond2 = _reference_apgd(
-            loss_grad_pred, x, y, x0, eps, n_iter, rho)
-    assert n_osc > 0 and n_cond2 > 0, (n_osc, n_cond2)      # both halving rules exercised
+            loss_grad_pred, x, y, x0, eps, n_iter, rho
+        )
+    assert n_osc > 0 and n_cond2 > 0, (n_osc, n_cond2)  # both halving rules exercised
     assert 0 < ref_robust.sum() < len(x)
     np.testing.assert_array_equal(np.asarray(ours_robust), ref_robust)
     np.testing.assert_allclose(np.asarray(ours_adv), ref_adv, atol=1e-9)
@@ -212,7 +227,7 @@ def test_apgd_reaches_the_analytic_worst_case_of_a_binary_linear_model(loss):
     x = _images(8)
     eps = 4 / 255
     flat = x.reshape(len(x), -1)
-    b[1] = b[0] + np.median(flat @ (w[:, 0] - w[:, 1]))      # about half the points per class
+    b[1] = b[0] + np.median(flat @ (w[:, 0] - w[:, 1]))  # about half the points per class
     model = lambda v: v.reshape(v.shape[0], -1) @ w + b
     y = np.argmax(np.asarray(model(x)), -1)
     worst = _linear_worst_margin(w, b, x, y, eps)
@@ -229,9 +244,12 @@ def test_autoattack_reaches_the_analytic_robust_accuracy_of_a_linear_model():
     w, b, model = _linear(0)
     x = _images(1)
     y = np.argmax(np.asarray(model(x)), -1)
-    y[:4] = (y[:4] + 1) % K                                   # clean errors
-    run = jax.jit(lambda x, y, rng, eps: attacks.autoattack(
-        model, x, y, rng, eps=eps, n_target_classes=K - 1)[1])
+    y[:4] = (y[:4] + 1) % K  # clean errors
+    run = jax.jit(
+        lambda x, y, rng, eps: attacks.autoattack(
+            model, x, y, rng, eps=eps, n_target_classes=K - 1
+        )[1]
+    )
     for eps in (2 / 255, 4 / 255):
         worst = _linear_worst_margin(w, b, x, y, eps)
         robust = np.asarray(run(x, y, jax.random.PRNGKey(2), eps))
@@ -265,41 +283,50 @@ def test_dlr_losses_match_the_formulas():
     rs = np.random.RandomState(0)
     z = rs.randn(32, 10).astype(np.float32) * 3
     y = rs.randint(0, 10, 32)
-    y[:16] = z[:16].argmax(1)                                 # both branches of max_{i != y}
+    y[:16] = z[:16].argmax(1)  # both branches of max_{i != y}
     t = (y + rs.randint(1, 10, 32)) % 10
     np.testing.assert_allclose(attacks.dlr_loss(z, y), _np_dlr(z, y), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(attacks.dlr_targeted_loss(z, y, t), _np_dlr_targeted(z, y, t),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        attacks.dlr_targeted_loss(z, y, t), _np_dlr_targeted(z, y, t), rtol=1e-5, atol=1e-6
+    )
 
 
 # ----- Patch-Fool ------------------------------------------------------------------------
 
 PATCH = 4
-NUM_BLOCKS = 6      # attention loss on blocks 1 .. 2; selection at the default block 4
+NUM_BLOCKS = 6  # attention loss on blocks 1 .. 2; selection at the default block 4
 DIM, HEADS = 16, 2
 
 
 def _tiny_vit_params(seed):
     rs = np.random.RandomState(seed)
+
     def normal(*shape, scale=1.0):
         return (rs.randn(*shape) * scale / np.sqrt(shape[-2])).astype(np.float32)
 
     blocks = {name: normal(NUM_BLOCKS, DIM, DIM, scale=2.0) for name in ("q", "k", "v", "o", "mlp")}
-    return {"embed": normal(PATCH * PATCH * 3, DIM, scale=3.0), "cls": normal(1, DIM),
-            "pos": normal(5, DIM), "blocks": blocks, "head": normal(DIM, K, scale=3.0)}
+    return {
+        "embed": normal(PATCH * PATCH * 3, DIM, scale=3.0),
+        "cls": normal(1, DIM),
+        "pos": normal(5, DIM),
+        "blocks": blocks,
+        "head": normal(DIM, K, scale=3.0),
+    }
 
 
 def _tiny_vit(params):
     """CLS + 2x2 patches of 4x4 pixels, pre-norm attention blocks (parameter-free norm);
     returns (logits, [post-softmax attention (B, heads, 5, 5)] per block)."""
+
     def norm(h):
         return (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-6)
 
     def block(h, blk):
         n = norm(h)
         heads = lambda m: (n @ m).reshape(h.shape[0], 5, HEADS, -1).transpose(0, 2, 1, 3)
-        att = jax.nn.softmax(heads(blk["q"]) @ heads(blk["k"]).transpose(0, 1, 3, 2)
-                             / np.sqrt(DIM // HEADS), axis=-1)
+        att = jax.nn.softmax(
+            heads(blk["q"]) @ heads(blk["k"]).transpose(0, 1, 3, 2) / np.sqrt(DIM // HEADS), axis=-1
+        )
         h = h + (att @ heads(blk["v"])).transpose(0, 2, 1, 3).reshape(h.shape) @ blk["o"]
         return h + jnp.tanh(norm(h) @ blk["mlp"]), att
 
@@ -310,6 +337,7 @@ def _tiny_vit(params):
         h = jnp.concatenate([cls, patches @ params["embed"]], axis=1) + params["pos"]
         h, maps = jax.lax.scan(block, h, params["blocks"])
         return norm(h[:, 0]) @ params["head"], list(maps)
+
     return apply
 
 
@@ -337,9 +365,20 @@ def known_maps_run():
         return logits, real[:4] + [jnp.asarray(maps)] + real[5:]
 
     y = np.argmax(np.asarray(vit(x)[0]), -1)
-    run = jax.jit(lambda lr: attacks.patch_fool(
-        with_known_maps, x, y, jax.random.PRNGKey(3), patch_size=PATCH, std=STD,
-        num_patches=2, steps=1, lr=lr, mode="ce"))
+    run = jax.jit(
+        lambda lr: attacks.patch_fool(
+            with_known_maps,
+            x,
+            y,
+            jax.random.PRNGKey(3),
+            patch_size=PATCH,
+            std=STD,
+            num_patches=2,
+            steps=1,
+            lr=lr,
+            mode="ce",
+        )
+    )
     return x, expected, run
 
 
@@ -362,7 +401,7 @@ def test_patch_fool_steps_are_in_normalised_units(known_maps_run):
     start = np.asarray(run(0.0))
     moved = np.abs(np.asarray(run(0.01)) - start)
     changed = moved > 0
-    assert changed.sum() == len(x) * 2 * PATCH * PATCH * 3         # two patches per image
+    assert changed.sum() == len(x) * 2 * PATCH * PATCH * 3  # two patches per image
     unclipped = changed & (start > 0.01) & (start < 0.99)
     per_channel = np.broadcast_to(0.01 * STD, moved.shape)
     # rtol: Adam's eps (1e-8) shortens the step a little where the gradient is tiny.
@@ -375,9 +414,11 @@ def test_patch_fool_lowers_the_true_class(mode):
     x = _images(4, batch=32)
     logits = np.asarray(vit(x)[0])
     y = logits.argmax(-1)
-    x_adv = jax.jit(lambda x, y, rng: attacks.patch_fool(
-        vit, x, y, rng, patch_size=PATCH, std=(0.229, 0.224, 0.225), mode=mode))(
-        x, y, jax.random.PRNGKey(4))
+    x_adv = jax.jit(
+        lambda x, y, rng: attacks.patch_fool(
+            vit, x, y, rng, patch_size=PATCH, std=(0.229, 0.224, 0.225), mode=mode
+        )
+    )(x, y, jax.random.PRNGKey(4))
     adv_logits = np.asarray(vit(x_adv)[0])
     rows = np.arange(len(y))
     assert np.mean(adv_logits.argmax(-1) == y) <= 0.5

@@ -6,13 +6,25 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from rspc_jax import augment
+from rspc_jax.data import augment
 
-INCREASING = ('AutoContrast', 'Equalize', 'Invert', 'Rotate',
-              'PosterizeIncreasing', 'SolarizeIncreasing', 'SolarizeAdd',
-              'ColorIncreasing', 'ContrastIncreasing', 'BrightnessIncreasing',
-              'SharpnessIncreasing', 'ShearX', 'ShearY', 'TranslateXRel',
-              'TranslateYRel')
+INCREASING = (
+    "AutoContrast",
+    "Equalize",
+    "Invert",
+    "Rotate",
+    "PosterizeIncreasing",
+    "SolarizeIncreasing",
+    "SolarizeAdd",
+    "ColorIncreasing",
+    "ContrastIncreasing",
+    "BrightnessIncreasing",
+    "SharpnessIncreasing",
+    "ShearX",
+    "ShearY",
+    "TranslateXRel",
+    "TranslateYRel",
+)
 
 
 def random_image(seed=0, size=(32, 32), low=0, high=256):
@@ -21,8 +33,7 @@ def random_image(seed=0, size=(32, 32), low=0, high=256):
 
 
 def run(name, image, magnitude, negate=False):
-    out = augment.apply_op(tf.constant(image, tf.float32), name, magnitude,
-                           negate)
+    out = augment.apply_op(tf.constant(image, tf.float32), name, magnitude, negate)
     return out.numpy()
 
 
@@ -35,15 +46,15 @@ def key(i):
 
 def pil_grey(image):
     rgb = image.astype(np.int64)
-    return ((rgb[..., 0] * 19595 + rgb[..., 1] * 38470 + rgb[..., 2] * 7471
-             + 0x8000) >> 16)[..., None]
+    return ((rgb[..., 0] * 19595 + rgb[..., 1] * 38470 + rgb[..., 2] * 7471 + 0x8000) >> 16)[
+        ..., None
+    ]
 
 
 def pil_blend(degenerate, image, factor):
     """(UINT8)(in1 + alpha * (in2 - in1)) in C float, clipped if extrapolating."""
     degenerate = np.broadcast_to(degenerate, image.shape).astype(np.float32)
-    mixed = degenerate + np.float32(factor) * (image.astype(np.float32)
-                                               - degenerate)
+    mixed = degenerate + np.float32(factor) * (image.astype(np.float32) - degenerate)
     return np.clip(np.floor(mixed), 0, 255)
 
 
@@ -81,8 +92,14 @@ def pil_smooth(image):
     """ImageFilter.SMOOTH: (8 neighbours + 5 x centre) / 13, rounded; no border."""
     x = image.astype(np.float64)
     out = x.copy()
-    total = sum(x[1 + dy:x.shape[0] - 1 + dy, 1 + dx:x.shape[1] - 1 + dx]
-                for dy in (-1, 0, 1) for dx in (-1, 0, 1)) + 4 * x[1:-1, 1:-1]
+    total = (
+        sum(
+            x[1 + dy : x.shape[0] - 1 + dy, 1 + dx : x.shape[1] - 1 + dx]
+            for dy in (-1, 0, 1)
+            for dx in (-1, 0, 1)
+        )
+        + 4 * x[1:-1, 1:-1]
+    )
     out[1:-1, 1:-1] = np.floor(total / 13 + 0.5)
     return out
 
@@ -109,8 +126,14 @@ def pil_affine(image, matrix):
 def pil_rotate_matrix(degrees, w, h):
     """Image.rotate's affine matrix (expand=False, centre (w/2, h/2))."""
     angle = -math.radians(degrees)
-    m = [round(math.cos(angle), 15), round(math.sin(angle), 15), 0.0,
-         round(-math.sin(angle), 15), round(math.cos(angle), 15), 0.0]
+    m = [
+        round(math.cos(angle), 15),
+        round(math.sin(angle), 15),
+        0.0,
+        round(-math.sin(angle), 15),
+        round(math.cos(angle), 15),
+        0.0,
+    ]
     cx, cy = w / 2.0, h / 2.0
     m[2] = m[0] * -cx + m[1] * -cy + cx
     m[5] = m[3] * -cx + m[4] * -cy + cy
@@ -121,28 +144,50 @@ def pil_rotate_matrix(degrees, w, h):
 
 
 def test_parse_official_spec():
-    spec = augment.parse_rand_augment('rand-m9-mstd0.5-inc1')
-    assert (spec.magnitude, spec.num_layers, spec.magnitude_std,
-            spec.magnitude_max, spec.increasing, spec.prob) == (
-                9, 2, 0.5, 10, True, 0.5)
+    spec = augment.parse_rand_augment("rand-m9-mstd0.5-inc1")
+    assert (
+        spec.magnitude,
+        spec.num_layers,
+        spec.magnitude_std,
+        spec.magnitude_max,
+        spec.increasing,
+        spec.prob,
+    ) == (9, 2, 0.5, 10, True, 0.5)
     assert spec.ops == INCREASING
 
 
 def test_parse_other_sections_and_defaults():
-    spec = augment.parse_rand_augment('rand-n3-p0.7-m5-mmax20')
-    assert (spec.magnitude, spec.num_layers, spec.prob, spec.magnitude_max,
-            spec.increasing, spec.magnitude_std) == (5, 3, 0.7, 20, False, 0.0)
-    assert 'Posterize' in spec.ops and 'PosterizeIncreasing' not in spec.ops
+    spec = augment.parse_rand_augment("rand-n3-p0.7-m5-mmax20")
+    assert (
+        spec.magnitude,
+        spec.num_layers,
+        spec.prob,
+        spec.magnitude_max,
+        spec.increasing,
+        spec.magnitude_std,
+    ) == (5, 3, 0.7, 20, False, 0.0)
+    assert "Posterize" in spec.ops and "PosterizeIncreasing" not in spec.ops
     assert len(spec.ops) == 15
-    assert augment.parse_rand_augment('rand') == augment.RandAugmentSpec()
-    assert augment.parse_rand_augment('rand-mstd101').magnitude_std == math.inf
+    assert augment.parse_rand_augment("rand") == augment.RandAugmentSpec()
+    assert augment.parse_rand_augment("rand-mstd101").magnitude_std == math.inf
 
 
-@pytest.mark.parametrize('spec', [
-    'augmix-m3', 'rand-m9-w0', 'rand-x1', 'rand-mfoo', 'rand-m', 'rand-n0',
-    'rand-p1.5', 'rand-m9.5', ''])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "augmix-m3",
+        "rand-m9-w0",
+        "rand-x1",
+        "rand-mfoo",
+        "rand-m",
+        "rand-n0",
+        "rand-p1.5",
+        "rand-m9.5",
+        "",
+    ],
+)
 def test_parse_rejects_bad_specs(spec):
-    with pytest.raises(ValueError, match='RandAugment spec'):
+    with pytest.raises(ValueError, match="RandAugment spec"):
         augment.parse_rand_augment(spec)
 
 
@@ -152,22 +197,19 @@ def test_parse_rejects_bad_specs(spec):
 def test_invert_posterize_solarize():
     image = random_image()
     x = image.astype(np.float32)
-    np.testing.assert_array_equal(run('Invert', image, 9), 255 - x)
+    np.testing.assert_array_equal(run("Invert", image, 9), 255 - x)
     # PosterizeIncreasing keeps 4 - int(4 m / 10) bits: m=9, 5, 10 -> 1, 2, 0.
-    np.testing.assert_array_equal(run('PosterizeIncreasing', image, 9),
-                                  image & 0x80)
-    np.testing.assert_array_equal(run('PosterizeIncreasing', image, 5),
-                                  image & 0xC0)
-    assert not run('PosterizeIncreasing', image, 10).any()
-    np.testing.assert_array_equal(run('Posterize', image, 9), image & 0xE0)
+    np.testing.assert_array_equal(run("PosterizeIncreasing", image, 9), image & 0x80)
+    np.testing.assert_array_equal(run("PosterizeIncreasing", image, 5), image & 0xC0)
+    assert not run("PosterizeIncreasing", image, 10).any()
+    np.testing.assert_array_equal(run("Posterize", image, 9), image & 0xE0)
     # SolarizeIncreasing threshold 256 - int(256 * 0.9) = 26; Solarize 230.
-    np.testing.assert_array_equal(run('SolarizeIncreasing', image, 9),
-                                  np.where(x < 26, x, 255 - x))
-    np.testing.assert_array_equal(run('Solarize', image, 9),
-                                  np.where(x < 230, x, 255 - x))
+    np.testing.assert_array_equal(run("SolarizeIncreasing", image, 9), np.where(x < 26, x, 255 - x))
+    np.testing.assert_array_equal(run("Solarize", image, 9), np.where(x < 230, x, 255 - x))
     # SolarizeAdd adds int(110 * 0.9) = 99 below 128, saturating.
-    np.testing.assert_array_equal(run('SolarizeAdd', image, 9),
-                                  np.where(x < 128, np.minimum(x + 99, 255), x))
+    np.testing.assert_array_equal(
+        run("SolarizeAdd", image, 9), np.where(x < 128, np.minimum(x + 99, 255), x)
+    )
 
 
 def test_equalize_matches_pil():
@@ -175,7 +217,7 @@ def test_equalize_matches_pil():
     image[..., 1] = (image[..., 1].astype(int) ** 2 // 255).astype(np.uint8)
     image[..., 2] = 200
     image[:3, :, 2] = 0  # 96 other pixels: step 0, left unchanged by PIL
-    out = run('Equalize', image, 9)
+    out = run("Equalize", image, 9)
     np.testing.assert_array_equal(out, pil_equalize(image))
     np.testing.assert_array_equal(out[..., 2], image[..., 2])
     assert not np.array_equal(out[..., 1], image[..., 1])
@@ -184,13 +226,13 @@ def test_equalize_matches_pil():
 def test_auto_contrast_stretches_each_channel():
     image = random_image(2, low=40, high=201)
     image[..., 2] = 90  # a constant channel stays as it is
-    out = run('AutoContrast', image, 9)
+    out = run("AutoContrast", image, 9)
     np.testing.assert_array_equal(out, pil_autocontrast(image))
     assert out[..., :2].min() == 0 and out[..., :2].max() == 255
     np.testing.assert_array_equal(out[..., 2], 90)
 
 
-@pytest.mark.parametrize('negate', [False, True])
+@pytest.mark.parametrize("negate", [False, True])
 def test_enhance_ops_blend_like_pil(negate):
     image = random_image(3)
     # timm's *Increasing factor at m=9: 1 +- 0.9 m / 10, in Python floats.
@@ -199,22 +241,23 @@ def test_enhance_ops_blend_like_pil(negate):
     grey = pil_grey(image)
     mean = int(grey.mean() + 0.5)
     expected = {
-        'BrightnessIncreasing': pil_blend(np.zeros(1), image, factor),
-        'ColorIncreasing': pil_blend(grey, image, factor),
-        'ContrastIncreasing': pil_blend(np.full(1, mean), image, factor),
-        'SharpnessIncreasing': pil_blend(pil_smooth(image), image, factor),
+        "BrightnessIncreasing": pil_blend(np.zeros(1), image, factor),
+        "ColorIncreasing": pil_blend(grey, image, factor),
+        "ContrastIncreasing": pil_blend(np.full(1, mean), image, factor),
+        "SharpnessIncreasing": pil_blend(pil_smooth(image), image, factor),
     }
     for name, reference in expected.items():
         out = run(name, image, 9, negate)
         np.testing.assert_array_equal(out, reference, err_msg=name)
     # The non-increasing enhancements use 0.1 + 1.8 m / 10 whatever the sign.
-    np.testing.assert_array_equal(run('Brightness', image, 5, negate),
-                                  pil_blend(np.zeros(1), image, 1.0))
+    np.testing.assert_array_equal(
+        run("Brightness", image, 5, negate), pil_blend(np.zeros(1), image, 1.0)
+    )
 
 
 def test_sharpness_leaves_the_border_alone():
     image = random_image(4)
-    out = run('SharpnessIncreasing', image, 10)
+    out = run("SharpnessIncreasing", image, 10)
     np.testing.assert_array_equal(out[[0, -1]], image[[0, -1]])
     np.testing.assert_array_equal(out[:, [0, -1]], image[:, [0, -1]])
     assert not np.array_equal(out[1:-1, 1:-1], image[1:-1, 1:-1])
@@ -227,23 +270,23 @@ def test_rotate_90_moves_a_marked_pixel_counter_clockwise():
     image = np.zeros((32, 32, 3), np.uint8)
     image[25, 15] = 255  # below the centre (16, 16) in pixel-centre coordinates
     # Rotate is 30 degrees x m / 10, so m=30 is 90 degrees.
-    out = run('Rotate', image, 30)
+    out = run("Rotate", image, 30)
     assert out[16, 25].tolist() == [255, 255, 255]  # now right of the centre
     assert (out[..., 0] == 255).sum() == 1
-    clockwise = run('Rotate', image, 30, negate=True)
+    clockwise = run("Rotate", image, 30, negate=True)
     assert clockwise[15, 6].tolist() == [255, 255, 255]  # left of the centre
     # The corners rotate out of the image and take timm's mean colour.
-    np.testing.assert_array_equal(run('Rotate', image, 15)[0, 0], augment.FILL)
+    np.testing.assert_array_equal(run("Rotate", image, 15)[0, 0], augment.FILL)
 
 
-@pytest.mark.parametrize('negate', [False, True])
+@pytest.mark.parametrize("negate", [False, True])
 def test_translate_shifts_by_45_percent_of_m_and_fills(negate):
     image = random_image(5, size=(40, 40))
     fill_x = np.broadcast_to(np.array(augment.FILL, np.float32), (40, 9, 3))
     fill_y = fill_x.transpose(1, 0, 2)
     # 0.45 x m / 10 of the size: m=5 on 40 px is 9 px.
-    out_x = run('TranslateXRel', image, 5, negate)
-    out_y = run('TranslateYRel', image, 5, negate)
+    out_x = run("TranslateXRel", image, 5, negate)
+    out_y = run("TranslateYRel", image, 5, negate)
     if not negate:  # samples 9 px to the right / below: content moves left / up
         np.testing.assert_array_equal(out_x[:, :31], image[:, 9:])
         np.testing.assert_array_equal(out_x[:, 31:], fill_x)
@@ -256,16 +299,16 @@ def test_translate_shifts_by_45_percent_of_m_and_fills(negate):
         np.testing.assert_array_equal(out_y[:9], fill_y)
 
 
-@pytest.mark.parametrize('negate', [False, True])
+@pytest.mark.parametrize("negate", [False, True])
 def test_geometric_ops_match_pil_bilinear(negate):
     image = random_image(6)
     sign = -1.0 if negate else 1.0
     matrices = {
-        'Rotate': pil_rotate_matrix(sign * 27.0, 32, 32),
-        'ShearX': (1, sign * 0.27, 0, 0, 1, 0),
-        'ShearY': (1, 0, 0, sign * 0.27, 1, 0),
-        'TranslateXRel': (1, 0, sign * 0.405 * 32, 0, 1, 0),
-        'TranslateYRel': (1, 0, 0, 0, 1, sign * 0.405 * 32),
+        "Rotate": pil_rotate_matrix(sign * 27.0, 32, 32),
+        "ShearX": (1, sign * 0.27, 0, 0, 1, 0),
+        "ShearY": (1, 0, 0, sign * 0.27, 1, 0),
+        "TranslateXRel": (1, 0, sign * 0.405 * 32, 0, 1, 0),
+        "TranslateYRel": (1, 0, 0, 0, 1, sign * 0.405 * 32),
     }
     for name, matrix in matrices.items():
         out = run(name, image, 9, negate)
@@ -282,15 +325,14 @@ def test_geometric_ops_match_pil_bilinear(negate):
 
 def test_rand_augment_is_a_pure_function_of_the_key():
     image = tf.constant(random_image(7), tf.float32)
-    spec = 'rand-m9-mstd0.5-inc1'
+    spec = "rand-m9-mstd0.5-inc1"
     a = augment.rand_augment(image, key(1), spec).numpy()
     b = augment.rand_augment(image, key(1), spec).numpy()
     graph = tf.function(augment.rand_augment, autograph=False)
     c = graph(image, key(1), augment.parse_rand_augment(spec)).numpy()
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, c)
-    outputs = {augment.rand_augment(image, key(i), spec).numpy().tobytes()
-               for i in range(12)}
+    outputs = {augment.rand_augment(image, key(i), spec).numpy().tobytes() for i in range(12)}
     assert len(outputs) >= 8
     assert a.dtype == np.float32 and a.min() >= 0 and a.max() <= 255
     np.testing.assert_array_equal(a, np.round(a))
@@ -301,36 +343,33 @@ def test_rand_augment_draws_every_increasing_op_at_timm_levels():
     candidates = {}
     for name in INCREASING:
         for negate in (False, True):
-            candidates.setdefault(run(name, image, 10, negate).tobytes(),
-                                  set()).add(name)
+            candidates.setdefault(run(name, image, 10, negate).tobytes(), set()).add(name)
     image = tf.constant(image, tf.float32)
     seen = set()
     for i in range(150):
-        out = augment.rand_augment(image, key(i), 'rand-n1-m10-inc1-p1.0')
+        out = augment.rand_augment(image, key(i), "rand-n1-m10-inc1-p1.0")
         names = candidates.get(out.numpy().tobytes())
-        assert names, f'key {i}: output is no single op at m=10'
+        assert names, f"key {i}: output is no single op at m=10"
         seen |= names
     assert seen == set(INCREASING)
     # p 0.5: each op is skipped half of the time.
     unchanged = sum(
-        np.array_equal(augment.rand_augment(image, key(i), 'rand-n1-m10-inc1'),
-                       image) for i in range(100))
+        np.array_equal(augment.rand_augment(image, key(i), "rand-n1-m10-inc1"), image)
+        for i in range(100)
+    )
     assert 35 <= unchanged <= 65
 
 
 def test_magnitude_is_normal_around_m_and_clipped():
-    spec = augment.parse_rand_augment('rand-m9-mstd0.5')
-    draws = np.array([float(augment._sample_magnitude(spec, key(i)))
-                      for i in range(400)])
+    spec = augment.parse_rand_augment("rand-m9-mstd0.5")
+    draws = np.array([float(augment._sample_magnitude(spec, key(i))) for i in range(400)])
     assert abs(draws.mean() - 9) < 0.08 and abs(draws.std() - 0.5) < 0.08
     assert draws.max() <= 10
-    spec = augment.parse_rand_augment('rand-m10-mstd1')
-    draws = np.array([float(augment._sample_magnitude(spec, key(i)))
-                      for i in range(200)])
+    spec = augment.parse_rand_augment("rand-m10-mstd1")
+    draws = np.array([float(augment._sample_magnitude(spec, key(i))) for i in range(200)])
     assert draws.max() == 10 and 0.35 < (draws == 10).mean() < 0.65
-    spec = augment.parse_rand_augment('rand-m6-mstd200')  # uniform in [0, 6]
-    draws = np.array([float(augment._sample_magnitude(spec, key(i)))
-                      for i in range(200)])
+    spec = augment.parse_rand_augment("rand-m6-mstd200")  # uniform in [0, 6]
+    draws = np.array([float(augment._sample_magnitude(spec, key(i))) for i in range(200)])
     assert draws.min() >= 0 and draws.max() <= 6 and abs(draws.mean() - 3) < 0.4
 
 
@@ -358,7 +397,7 @@ def test_random_erasing_prob_one_erases_one_box():
         assert h < 32 and w < 32
         fractions.append(h * w / 1024)
         aspects.append(h / w)
-        noise.append(out[top:top + h, left:left + w].ravel())
+        noise.append(out[top : top + h, left : left + w].ravel())
     # Area fraction in [0.02, 1/3], aspect in [0.3, 1/0.3], up to rounding h, w.
     assert 0.015 <= min(fractions) and max(fractions) <= 0.36
     assert max(fractions) > 0.2 and min(fractions) < 0.1
@@ -368,39 +407,49 @@ def test_random_erasing_prob_one_erases_one_box():
 
 
 def test_random_erasing_probability():
-    image = tf.constant(np.random.default_rng(10).normal(size=(16, 16, 3)),
-                        tf.float32)
+    image = tf.constant(np.random.default_rng(10).normal(size=(16, 16, 3)), tf.float32)
     for i in range(20):
-        np.testing.assert_array_equal(
-            augment.random_erasing(image, key(i), 0.0), image)
-    erased = sum(not np.array_equal(augment.random_erasing(image, key(i), 0.25),
-                                    image) for i in range(200))
+        np.testing.assert_array_equal(augment.random_erasing(image, key(i), 0.0), image)
+    erased = sum(
+        not np.array_equal(augment.random_erasing(image, key(i), 0.25), image) for i in range(200)
+    )
     assert 30 <= erased <= 70
-    np.testing.assert_array_equal(augment.random_erasing(image, key(3), 0.25),
-                                  augment.random_erasing(image, key(3), 0.25))
+    np.testing.assert_array_equal(
+        augment.random_erasing(image, key(3), 0.25), augment.random_erasing(image, key(3), 0.25)
+    )
 
 
 # --- config wiring ---
 
 
 def test_config_defaults_recipe_and_validation():
-    from rspc_jax import config_defaults, train
+    from rspc_jax.training import defaults as config_defaults
+    from rspc_jax.training import setup
+
     config = config_defaults.get_default_config()
-    assert (config.rand_augment, config.random_erase_prob,
-            config.repeated_augment, config.eval_preprocess) == ('', 0.0, 1, '')
+    assert (
+        config.rand_augment,
+        config.random_erase_prob,
+        config.repeated_augment,
+        config.eval_preprocess,
+    ) == ("", 0.0, 1, "")
     config_defaults.apply_imagenet_recipe(config, batch_size=1024, per_device_batch=128)
-    assert (config.rand_augment, config.random_erase_prob,
-            config.repeated_augment) == ('rand-m9-mstd0.5-inc1', 0.25, 3)
-    train.validate_config(config)
+    assert (config.rand_augment, config.random_erase_prob, config.repeated_augment) == (
+        "rand-m9-mstd0.5-inc1",
+        0.25,
+        3,
+    )
+    setup.validate_config(config)
     for field, value, message in [
-            ('random_erase_prob', 1.5, 'random_erase_prob=1.5'),
-            ('repeated_augment', 0, 'repeated_augment=0'),
-            ('rand_augment', 'rand-m9-x2', 'rand-m9-x2'),
-            ('eval_preprocess', 'resize', "'center_crop'")]:
+        ("random_erase_prob", 1.5, "random_erase_prob=1.5"),
+        ("repeated_augment", 0, "repeated_augment=0"),
+        ("rand_augment", "rand-m9-x2", "rand-m9-x2"),
+        ("eval_preprocess", "resize", "'center_crop'"),
+    ]:
         bad = config_defaults.get_default_config()
         bad[field] = value
         with pytest.raises(ValueError, match=message):
-            train.validate_config(bad)
+            setup.validate_config(bad)
 
 
 def test_color_jitter_is_keyed_bounded_and_the_identity_at_strength_zero():

@@ -3,15 +3,24 @@ count (RSPC's step does at least twice the plain step's work) and memory estimat
 
 import re
 
-from rspc_jax import benchmark
+from rspc_jax.tools import benchmark
 from tests.conftest import run_python
 
 _ROW = r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+\s+\d+\.\d+\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)$"
 
 
 def _benchmark(*extra):
-    result = run_python(["-m", "rspc_jax.benchmark", "--config=configs/demo.py:smoke",
-                         "--steps=2", "--batch=8", *extra], timeout=300)
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.benchmark",
+            "--config=configs/demo.py:smoke",
+            "--steps=2",
+            "--batch=8",
+            *extra,
+        ],
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -39,7 +48,11 @@ def test_peak_flops_by_device_kind_and_dtype():
 
 def test_benchmark_counts_every_scanned_block():
     """XLA's cost analysis counts a loop body once; the scanned model does the same work."""
-    rows = [re.search(_ROW.format("plain"), out, re.M).group(4)
-            for out in (_benchmark("--variants=plain"),
-                        _benchmark("--variants=plain", "--config.scan_blocks=True"))]
+    rows = [
+        re.search(_ROW.format("plain"), out, re.M).group(4)
+        for out in (
+            _benchmark("--variants=plain"),
+            _benchmark("--variants=plain", "--config.scan_blocks=True"),
+        )
+    ]
     assert rows[0] == rows[1]

@@ -4,25 +4,33 @@ import importlib.util
 import json
 import pathlib
 
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from flax import traverse_util
 
-from rspc_jax import input_pipeline
-from rspc_jax import train
+from rspc_jax.data import specs as datasets
+from rspc_jax.training import loop as train
+from rspc_jax.training import setup
 from tests.conftest import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 VARIANTS = {path.name: [None, "plain", "smoke"] for path in CONFIGS}
-VARIANTS.update({
-    "ablations.py": ["demo/clean", "rvt_b/random_patches", "fan_b_hybrid/trades2",
-                     "xcit_s12/zero_fill", "deit_s/drop_tokens"],
-    "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
-    "cifar10_xcit_s12_adv.py": [None, "smoke"],
-})
+VARIANTS.update(
+    {
+        "ablations.py": [
+            "demo/clean",
+            "rvt_b/random_patches",
+            "fan_b_hybrid/trades2",
+            "xcit_s12/zero_fill",
+            "deit_s/drop_tokens",
+        ],
+        "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
+        "cifar10_xcit_s12_adv.py": [None, "smoke"],
+    }
+)
 
 
 def load(path: pathlib.Path, arg=None):
@@ -33,9 +41,20 @@ def load(path: pathlib.Path, arg=None):
 
 
 def test_the_issue_configs_exist():
-    expected = {"rvt_ti.py", "rvt_s.py", "rvt_b.py", "fan_t_hybrid.py", "fan_s_hybrid.py",
-                "fan_b_hybrid.py", "deit_s.py", "xcit_s12.py", "cifar10_rvt_s.py",
-                "cifar100_rvt_s.py", "cifar10_fan_s_hybrid.py", "cifar100_fan_s_hybrid.py"}
+    expected = {
+        "rvt_ti.py",
+        "rvt_s.py",
+        "rvt_b.py",
+        "fan_t_hybrid.py",
+        "fan_s_hybrid.py",
+        "fan_b_hybrid.py",
+        "deit_s.py",
+        "xcit_s12.py",
+        "cifar10_rvt_s.py",
+        "cifar100_rvt_s.py",
+        "cifar10_fan_s_hybrid.py",
+        "cifar100_fan_s_hybrid.py",
+    }
     assert expected <= set(VARIANTS)
 
 
@@ -43,12 +62,14 @@ def test_the_issue_configs_exist():
 def test_config_validates_and_builds_its_model(name, arg):
     module, config = load(REPO / "configs" / name, arg)
     assert f"python -m rspc_jax.main --config=configs/{name}" in module.__doc__
-    train.validate_config(config)
-    spec = input_pipeline.dataset_spec(config.dataset)
-    model = train.build_model(config, spec.num_classes)
-    train.check_model_fits(config, model)
+    setup.validate_config(config)
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
+    setup.check_model_fits(config, model)
     shape = (1, config.image_size, config.image_size, 3)
-    variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(shape), train=False))
+    variables = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(shape), train=False)
+    )
     assert jax.tree.leaves(variables["params"])
 
 
@@ -71,13 +92,20 @@ def test_adversarial_cifar_finetuning_smoke_keeps_the_best_fgsm_state(tmp_path):
     """TRADES on the stride-1 XCiT stem, colour jitter and the narrowed crops, FGSM evals
     and the best state in <workdir>/best (on tfds mock data)."""
     _, config = load(REPO / "configs" / "cifar10_xcit_s12_adv.py", "smoke")
-    config.update(dict(data_dir=str(tmp_path / "data"), augment="imagenet", color_jitter=0.4,
-                       total_steps=4, eval_every_steps=2))
+    config.update(
+        dict(
+            data_dir=str(tmp_path / "data"),
+            augment="imagenet",
+            color_jitter=0.4,
+            total_steps=4,
+            eval_every_steps=2,
+        )
+    )
     with tfds.testing.mock_data(num_examples=64):
         result = train.train_and_evaluate(config, str(tmp_path / "run"))
     assert result["step"] == 4
     assert 0.0 <= result["eval"]["fgsm_accuracy"] <= 1.0
-    best = (tmp_path / "run" / "best")
+    best = tmp_path / "run" / "best"
     record = json.loads((best / "best.json").read_text())
     assert record["metric"] == "fgsm_accuracy" and record["step"] in (2, 4)
     assert (best / "checkpoints" / str(record["step"])).is_dir()

@@ -1,4 +1,4 @@
-"""Benchmark metric definitions (ref: /work/shared/reference/eval-protocols.md §1-4, App. A)."""
+"""Benchmark metric definitions (docs/evaluation.md, "ImageNet-C" to "CIFAR-10-C and CIFAR-100-C", "200-class lists")."""
 
 import json
 
@@ -13,7 +13,7 @@ from rspc_jax.evaluation import protocols as P
 # ---------------------------------------------------------------------------------------------
 # ImageNet-C
 
-# Per-severity AlexNet errors of ref §1.2, typed independently of the module's constants.
+# Per-severity AlexNet errors of docs/evaluation.md, "ImageNet-C: AlexNet normalisers", typed independently of the module's constants.
 ALEXNET_PER_SEVERITY = {
     "gaussian_noise": (0.69528, 0.82542, 0.93554, 0.98138, 0.99452),
     "shot_noise": (0.71224, 0.85108, 0.93574, 0.98182, 0.99146),
@@ -81,12 +81,15 @@ def test_mce_with_differing_corruptions():
     noise_err = 0.8 * (0.886428 + 0.894468 + 0.922640)
     fog_err = 1.1 * 0.819324
     rest_err = 0.5 * (12 * 0.76095 - 0.819324)
-    assert summary["mean_accuracy"] == pytest.approx(1 - (noise_err + fog_err + rest_err) / 15,
-                                                     abs=1e-5)
-    assert summary["mean_accuracy_no_noise"] == pytest.approx(1 - (fog_err + rest_err) / 12,
-                                                              abs=1e-5)
+    assert summary["mean_accuracy"] == pytest.approx(
+        1 - (noise_err + fog_err + rest_err) / 15, abs=1e-5
+    )
+    assert summary["mean_accuracy_no_noise"] == pytest.approx(
+        1 - (fog_err + rest_err) / 12, abs=1e-5
+    )
     assert summary["mean_accuracy_19"] == pytest.approx(
-        (15 * summary["mean_accuracy"] + 4 * 0.3) / 19)
+        (15 * summary["mean_accuracy"] + 4 * 0.3) / 19
+    )
     assert summary["per_corruption"]["saturate"] == {"accuracy": pytest.approx(0.3)}
     json.dumps(summary)
 
@@ -120,8 +123,10 @@ def test_imagenet_c_summary_rejects_percentages_and_unknown_names():
 # ImageNet-A / -R
 
 
-@pytest.mark.parametrize("indices, wnids", [(P.IMAGENET_A_INDICES, P.IMAGENET_A_WNIDS),
-                                            (P.IMAGENET_R_INDICES, P.IMAGENET_R_WNIDS)])
+@pytest.mark.parametrize(
+    "indices, wnids",
+    [(P.IMAGENET_A_INDICES, P.IMAGENET_A_WNIDS), (P.IMAGENET_R_INDICES, P.IMAGENET_R_WNIDS)],
+)
 def test_subset_lists(indices, wnids):
     assert indices.dtype == np.int32 and indices.shape == (200,)
     assert np.all(np.diff(indices) > 0) and 0 <= indices[0] and indices[-1] < 1000
@@ -150,15 +155,16 @@ def test_restricted_prediction_picks_best_class_inside_subset():
     expected = np.array(inside)
     prediction = P.restricted_prediction(logits, P.IMAGENET_A_INDICES)
     np.testing.assert_array_equal(prediction, expected)
-    np.testing.assert_array_equal(P.restricted_prediction(jnp.asarray(logits),
-                                                          P.IMAGENET_A_INDICES), expected)
+    np.testing.assert_array_equal(
+        P.restricted_prediction(jnp.asarray(logits), P.IMAGENET_A_INDICES), expected
+    )
     jitted = jax.jit(lambda x: P.restricted_prediction(x, P.IMAGENET_A_INDICES))
     np.testing.assert_array_equal(jitted(jnp.asarray(logits)), expected)
     assert P.restricted_prediction(logits[1], P.IMAGENET_A_INDICES) == inside[1]
 
 
 # ---------------------------------------------------------------------------------------------
-# ImageNet-P: loop implementations of the definitions of ref §2.2.
+# ImageNet-P: loop implementations of the definitions of docs/evaluation.md, "ImageNet-P: flip probability and top-5 distance".
 
 
 def compared_pairs(num_frames: int, noise: bool, difficulty: int) -> list[tuple[int, int]]:
@@ -217,12 +223,14 @@ def test_top5_distance_small_hand_example():
     np.testing.assert_allclose(P.per_video_top5_distances(videos, noise=True), [5.5, 0.0])
 
 
-@pytest.mark.parametrize("noise, difficulty", [(True, 1), (True, 2), (False, 1), (False, 2),
-                                               (False, 3)])
+@pytest.mark.parametrize(
+    "noise, difficulty", [(True, 1), (True, 2), (False, 1), (False, 2), (False, 3)]
+)
 def test_flip_probability_matches_loop_definition(noise, difficulty):
     predictions = np.random.default_rng(difficulty).integers(0, 3, size=(7, 11))
     assert P.flip_probability(predictions, noise=noise, difficulty=difficulty) == pytest.approx(
-        loop_flip_probability(predictions, noise, difficulty), abs=1e-12)
+        loop_flip_probability(predictions, noise, difficulty), abs=1e-12
+    )
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -234,7 +242,8 @@ def test_top5_distance_matches_loop_definition(noise, difficulty, tied):
     else:
         logits = rng.normal(size=(6, 9, 12)).astype(np.float32)
     assert P.top5_distance(logits, noise=noise, difficulty=difficulty) == pytest.approx(
-        loop_top5_distance(logits, noise, difficulty), abs=1e-12)
+        loop_top5_distance(logits, noise, difficulty), abs=1e-12
+    )
 
 
 def test_frame_pairs_need_enough_frames():

@@ -1,4 +1,4 @@
-"""Readers of the released benchmark layouts, on small generated folders (ref §1-4)."""
+"""Readers of the released benchmark layouts, on small generated folders (docs/evaluation.md, benchmark sections)."""
 
 from pathlib import Path
 

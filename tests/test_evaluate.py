@@ -7,32 +7,42 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from PIL import Image
+import pytest
 
-from tests.conftest import run_python, smoke_config
-from rspc_jax import input_pipeline
-from rspc_jax import train
-from rspc_jax.evaluation import benchmarks
+from rspc_jax.data import specs as datasets
 from rspc_jax.evaluation import protocols
-from rspc_jax.evaluation import run as evaluate_lib
+from rspc_jax.evaluation import run_suites as evaluate_lib
+from rspc_jax.evaluation import shift_suites as benchmarks
+from rspc_jax.training import setup
+from tests.conftest import run_python, smoke_config
 
-QUICK = {"evaluation.occlusion_masks": 4, "evaluation.figure_images": 2,
-         "evaluation.apgd_iters": 10, "evaluation.apgd_targets": 2,
-         "evaluation.patch_fool_steps": 5, "evaluation.adversarial_examples": 48,
-         "evaluation.corruptions": "gaussian_noise,fog", "evaluation.severities": (2,)}
+QUICK = {
+    "evaluation.occlusion_masks": 4,
+    "evaluation.figure_images": 2,
+    "evaluation.apgd_iters": 10,
+    "evaluation.apgd_targets": 2,
+    "evaluation.patch_fool_steps": 5,
+    "evaluation.adversarial_examples": 48,
+    "evaluation.corruptions": "gaussian_noise,fog",
+    "evaluation.severities": (2,),
+}
 
 
 def _evaluate(demo_run, data_dir, out, suites, **overrides):
     config = smoke_config(data_dir, **{**QUICK, **overrides})
-    return evaluate_lib.evaluate(config, workdir=str(demo_run[0]), suites=suites, out=str(out))
+    return evaluate_lib.run_suites(config, workdir=str(demo_run[0]), suites=suites, out=str(out))
 
 
 @pytest.fixture(scope="module")
 def demo_report(demo_run, digits_data_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
-    results = _evaluate(demo_run, digits_data_dir, out,
-                        "clean,corrupted_local,patch_occlusion,attention_stability,adversarial")
+    results = _evaluate(
+        demo_run,
+        digits_data_dir,
+        out,
+        "clean,corrupted_local,patch_occlusion,attention_stability,adversarial",
+    )
     return out, results
 
 
@@ -44,9 +54,15 @@ def test_report_json_and_figures_of_every_suite(demo_report):
         assert json.loads((out / f"{suite}.json").read_text())["seconds"] >= 0
         assert f"## {suite}" in report
     figures = {p.name for p in (out / "figures").iterdir()}
-    assert {"occlusion_boxplot.png", "learned_masks.png", "cos_sim_histogram.png",
-            "corrupted_local_errors.png", "adversarial.png", "attention_maps_0.png",
-            "attention_maps_1.png"} <= figures
+    assert {
+        "occlusion_boxplot.png",
+        "learned_masks.png",
+        "cos_sim_histogram.png",
+        "corrupted_local_errors.png",
+        "adversarial.png",
+        "attention_maps_0.png",
+        "attention_maps_1.png",
+    } <= figures
     assert results["clean"]["num_examples"] == 297
     # corrupted_local: its own label, and two corruptions at one severity.
     assert "NOT the released" in results["corrupted_local"]["note"]
@@ -63,10 +79,16 @@ def test_attacks_on_the_demo_model_order_and_stay_in_budget(demo_report):
     assert results["adversarial"]["max_pgd_linf"] <= 8 / 255 + 1e-6
 
 
-def test_nothing_occluded_gives_clean_accuracy_and_unit_cos_sim(demo_run, digits_data_dir,
-                                                                 tmp_path):
-    results = _evaluate(demo_run, digits_data_dir, tmp_path, "patch_occlusion,attention_stability",
-                        **{"evaluation.occlusion_rho": 0.0})
+def test_nothing_occluded_gives_clean_accuracy_and_unit_cos_sim(
+    demo_run, digits_data_dir, tmp_path
+):
+    results = _evaluate(
+        demo_run,
+        digits_data_dir,
+        tmp_path,
+        "patch_occlusion,attention_stability",
+        **{"evaluation.occlusion_rho": 0.0},
+    )
     occlusion = results["patch_occlusion"]
     assert occlusion["occluded_patches"] == 0
     assert occlusion["per_mask_accuracy"] == [occlusion["clean_accuracy"]] * 4
@@ -78,22 +100,29 @@ _COUNT_SCRIPT = """
 import json
 import jax
 from tests.conftest import smoke_config
-from rspc_jax.evaluation import run as evaluate
+from rspc_jax.evaluation import run_suites as evaluate
 assert jax.device_count() == 8
 config = smoke_config({data_dir!r}, eval_split="test[:293]", **{{"evaluation.batch_size": 64}})
-result = evaluate.evaluate(config, workdir={workdir!r}, suites="clean", out={out!r})
+result = evaluate.run_suites(config, workdir={workdir!r}, suites="clean", out={out!r})
 print(json.dumps(result["clean"]))
 """
 
 
 def test_eight_devices_count_a_prime_sized_split_once(demo_run, digits_data_dir, tmp_path):
-    script = _COUNT_SCRIPT.format(data_dir=digits_data_dir, workdir=str(demo_run[0]),
-                                  out=str(tmp_path / "eight"))
+    script = _COUNT_SCRIPT.format(
+        data_dir=digits_data_dir, workdir=str(demo_run[0]), out=str(tmp_path / "eight")
+    )
     result = run_python(["-c", script], devices=8, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     eight = json.loads(result.stdout.strip().splitlines()[-1])
-    one = _evaluate(demo_run, digits_data_dir, tmp_path / "one", "clean",
-                    eval_split="test[:293]", **{"evaluation.batch_size": 64})["clean"]
+    one = _evaluate(
+        demo_run,
+        digits_data_dir,
+        tmp_path / "one",
+        "clean",
+        eval_split="test[:293]",
+        **{"evaluation.batch_size": 64},
+    )["clean"]
     assert eight["num_examples"] == one["num_examples"] == 293
     assert eight["top1"] == one["top1"]
     assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
@@ -107,8 +136,8 @@ def test_eight_devices_count_a_prime_sized_split_once(demo_run, digits_data_dir,
 def imagenet_model(digits_data_dir):
     """A random 1000-class tiny ViT at 32 px, with its Context and a direct predictor."""
     config = smoke_config(digits_data_dir, dataset="imagenet2012", image_size=32)
-    spec = input_pipeline.dataset_spec("imagenet2012")
-    model = train.build_model(config, spec.num_classes)
+    spec = datasets.dataset_spec("imagenet2012")
+    model = setup.build_model(config, spec.num_classes)
     variables = model.init(jax.random.PRNGKey(1), jnp.zeros((1, 32, 32, 3)), train=False)
     ctx = evaluate_lib.build_context(config, model, variables)
 
@@ -137,8 +166,9 @@ def test_imagenet_c_folders_centre_crop_and_label_by_sorted_wnid(imagenet_model,
     label_of = np.concatenate([np.arange(1000), predicted[1000:]])
     wnids = [f"n{i:08d}" for i in range(1000)]
     _write_folders(tmp_path / "gaussian_noise" / "3", wnids, images, label_of)
-    ctx.settings.update(dict(imagenet_c_dir=str(tmp_path), corruptions="gaussian_noise",
-                             severities=(3,)))
+    ctx.settings.update(
+        dict(imagenet_c_dir=str(tmp_path), corruptions="gaussian_noise", severities=(3,))
+    )
     result = benchmarks.imagenet_c(ctx)
     expected = float((predicted == label_of).mean())
     assert expected > 100 / 1100
@@ -152,8 +182,9 @@ def test_imagenet_a_folders_restrict_the_logits_to_200_classes(imagenet_model, t
     # The run's ImageNet eval preprocessing: shorter side to 32 / 0.875 = 36 px (here the
     # identity), then the central 32 x 32 crop.
     images = rng.integers(0, 256, (300, 36, 36, 3), dtype=np.uint8)
-    restricted = protocols.restricted_prediction(logits(images[:, 2:34, 2:34]),
-                                                 protocols.IMAGENET_A_INDICES)
+    restricted = protocols.restricted_prediction(
+        logits(images[:, 2:34, 2:34]), protocols.IMAGENET_A_INDICES
+    )
     position = {int(c): i for i, c in enumerate(protocols.IMAGENET_A_INDICES)}
     label_of = np.concatenate([np.arange(200), [position[int(c)] for c in restricted[200:]]])
     _write_folders(tmp_path, list(protocols.IMAGENET_A_WNIDS), images, label_of)
@@ -165,30 +196,36 @@ def test_imagenet_a_folders_restrict_the_logits_to_200_classes(imagenet_model, t
 
 
 def test_cifar10_c_npy_severity_blocks(demo_run, digits_data_dir, tmp_path):
-    config = smoke_config(digits_data_dir, **{"evaluation.cifar10_c_dir": str(tmp_path),
-                                              "evaluation.corruptions": "fog"})
-    spec = input_pipeline.dataset_spec(config.dataset)
-    model = train.build_model(config, spec.num_classes)
-    variables, _, _ = evaluate_lib.load_variables(config, model, workdir=str(demo_run[0]),
-                                                  checkpoint=None, step=None, ema=False)
+    config = smoke_config(
+        digits_data_dir,
+        **{"evaluation.cifar10_c_dir": str(tmp_path), "evaluation.corruptions": "fog"},
+    )
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
+    variables, _, _ = evaluate_lib.load_variables(
+        config, model, workdir=str(demo_run[0]), checkpoint=None, step=None, ema=False
+    )
     rng = np.random.default_rng(2)
     images = rng.integers(0, 256, (5 * 12, 32, 32, 3), dtype=np.uint8)
     labels = np.tile(rng.integers(0, 10, 12), 5).astype(np.uint8)
     np.save(tmp_path / "fog.npy", images)
     np.save(tmp_path / "labels.npy", labels)
     x = (images / 255.0 - np.asarray(spec.mean)) / np.asarray(spec.std)
-    correct = np.asarray(model.apply(variables, jnp.asarray(x, jnp.float32), train=False)
-                         ).argmax(-1) == labels
+    correct = (
+        np.asarray(model.apply(variables, jnp.asarray(x, jnp.float32), train=False)).argmax(-1)
+        == labels
+    )
     result = benchmarks.cifar10_c(evaluate_lib.build_context(config, model, variables))
     for severity in range(1, 6):
-        block = correct[(severity - 1) * 12:severity * 12]
+        block = correct[(severity - 1) * 12 : severity * 12]
         assert result["accuracy"][f"fog/{severity}"] == pytest.approx(block.mean())
     assert result["per_corruption"] == {"fog": pytest.approx(correct.mean())}
     assert result["mean_accuracy"] is None  # 14 of the 15 corruptions missing
 
 
 def test_a_suite_without_data_or_a_matching_model_is_skipped_with_the_fix(
-        demo_run, digits_data_dir, tmp_path):
+    demo_run, digits_data_dir, tmp_path
+):
     results = _evaluate(demo_run, digits_data_dir, tmp_path, "imagenet_c,cifar10_c,cifar100_c")
     assert "1000-class model" in results["imagenet_c"]["skipped"]
     assert "cifar10_c_dir" in results["cifar10_c"]["skipped"]

@@ -9,40 +9,57 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import checkpointing
-from rspc_jax import config_defaults
-from rspc_jax import export
-from rspc_jax import interop
-from rspc_jax import train
+from rspc_jax.interop import checkpoints as checkpointing
+from rspc_jax.interop import export
+from rspc_jax.interop import state_dicts as interop
+from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import loop as train
+from rspc_jax.training import setup
 from tests.conftest import assert_trees_equal, run_python, smoke_config, torch_keys_manifest
 
-needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                                 reason="torch is not installed (requirements-torch.txt)")
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed (requirements-torch.txt)",
+)
 
 
 def _like(state, params_key="params"):
-    return dict(params=state[params_key], **({"batch_stats": state["batch_stats"]}
-                                               if state.get("batch_stats") else {}))
+    return dict(
+        params=state[params_key],
+        **({"batch_stats": state["batch_stats"]} if state.get("batch_stats") else {}),
+    )
 
 
 @needs_torch
 def test_cli_exports_ema_weights_and_the_corruption_model(demo_run, tmp_path):
     workdir, _ = demo_run
     out, occ = tmp_path / "vit.pth", tmp_path / "occlusion.pth.tar"
-    result = run_python(["-m", "rspc_jax.export", f"--workdir={workdir}", "--ema",
-                         f"--out={out}", f"--corruption_out={occ}"], timeout=300)
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.export",
+            f"--workdir={workdir}",
+            "--ema",
+            f"--out={out}",
+            f"--corruption_out={occ}",
+        ],
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Exported vit_demo step 6 (EMA weights" in result.stdout
     step, state, _ = checkpointing.read_saved_state(str(workdir / "checkpoints"))
     assert step == 6
-    assert_trees_equal(interop.load_checkpoint(str(out), _like(state)),
-                        _like(state, "ema_params"))
+    assert_trees_equal(interop.load_checkpoint(str(out), _like(state)), _like(state, "ema_params"))
     occ_state = interop.read_state_dict(str(occ))
     assert {k: v.shape for k, v in occ_state.items()} == {
-        "patch_embed.weight": (1, 3, 8, 8), "fc.weight": (16, 16)}
+        "patch_embed.weight": (1, 3, 8, 8),
+        "fc.weight": (16, 16),
+    }
     np.testing.assert_array_equal(occ_state["fc.weight"], state["occ_params"]["fc"]["kernel"].T)
-    np.testing.assert_array_equal(occ_state["patch_embed.weight"],
-                                  state["occ_params"]["patch_embed"]["kernel"].transpose(3, 2, 0, 1))
+    np.testing.assert_array_equal(
+        occ_state["patch_embed.weight"],
+        state["occ_params"]["patch_embed"]["kernel"].transpose(3, 2, 0, 1),
+    )
 
 
 def test_safetensors_export_needs_no_torch_and_an_older_step_can_be_picked(demo_run, tmp_path):
@@ -61,13 +78,19 @@ def _synthetic_run(tmp_path, name: str, ema: bool):
     config = config_defaults.get_default_config()
     config.model_name, config.dataset, config.image_size = name, "imagenet2012", 224
     config.ema_decay = 0.999 if ema else 0.0
-    model = train.build_model(config, 1000)
-    abstract = jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0),
-                              jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
+    model = setup.build_model(config, 1000)
+    abstract = jax.eval_shape(
+        functools.partial(model.init, train=False),
+        jax.random.PRNGKey(0),
+        jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32),
+    )
     rng = np.random.default_rng(0)
     draw = lambda leaf: rng.random(leaf.shape, np.float32)  # noqa: E731
-    state = dict(step=np.int32(7), params=jax.tree.map(draw, abstract["params"]),
-                 batch_stats=jax.tree.map(draw, abstract["batch_stats"]))
+    state = dict(
+        step=np.int32(7),
+        params=jax.tree.map(draw, abstract["params"]),
+        batch_stats=jax.tree.map(draw, abstract["batch_stats"]),
+    )
     if ema:
         state["ema_params"] = jax.tree.map(draw, abstract["params"])
     workdir = tmp_path / name
@@ -83,6 +106,7 @@ def _synthetic_run(tmp_path, name: str, ema: bool):
 @pytest.mark.parametrize("name,ema", [("rvt_tiny_plus", True), ("fan_tiny_8_p4_hybrid", False)])
 def test_rvt_and_fan_export_the_official_container_with_the_official_keys(tmp_path, name, ema):
     import torch
+
     workdir, state = _synthetic_run(tmp_path, name, ema)
     out = str(tmp_path / f"{name}.pth.tar")
     export.export(str(workdir), out)
@@ -94,8 +118,9 @@ def test_rvt_and_fan_export_the_official_container_with_the_official_keys(tmp_pa
         assert {k: tuple(v.shape) for k, v in checkpoint[entry].items()} == manifest
     assert_trees_equal(interop.load_checkpoint(out, _like(state)), _like(state))
     if ema:
-        assert_trees_equal(interop.load_checkpoint(out, _like(state), ema=True),
-                            _like(state, "ema_params"))
+        assert_trees_equal(
+            interop.load_checkpoint(out, _like(state), ema=True), _like(state, "ema_params")
+        )
 
 
 def test_export_refuses_ema_when_the_run_kept_none(tmp_path):
@@ -110,9 +135,16 @@ def test_init_from_starts_training_at_the_checkpoint(demo_run, digits_data_dir, 
     export.export(str(workdir), start)
     _, saved, _ = checkpointing.read_saved_state(str(workdir / "checkpoints"))
     # lr 0: one step leaves the params where the checkpoint put them.
-    config = smoke_config(digits_data_dir, **{
-        "init_from": start, "total_steps": 1, "optimizer.lr": 0.0, "optimizer.warmup_lr": 0.0,
-        "optimizer.min_lr": 0.0})
+    config = smoke_config(
+        digits_data_dir,
+        **{
+            "init_from": start,
+            "total_steps": 1,
+            "optimizer.lr": 0.0,
+            "optimizer.warmup_lr": 0.0,
+            "optimizer.min_lr": 0.0,
+        },
+    )
     result = train.train_and_evaluate(config, str(tmp_path / "finetune"))
     assert f"Initialised from {start}" in capsys.readouterr().out
     assert_trees_equal(jax.device_get(result["state"].params), saved["params"])

@@ -1,5 +1,5 @@
 """FAN-Hybrid against the official PyTorch code: sizes, state-dict layout, the eval fixture,
-sown FAN blocks, and one RSPC training step (README tolerances of ../shared/reference/fixtures)."""
+sown FAN blocks, and one RSPC training step (tolerances: docs/testing.md, "Reference fixtures and skips")."""
 
 import functools
 import json
@@ -9,15 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import interop
-from rspc_jax import models
-from rspc_jax import rspc
-from rspc_jax import torch_layout
+from rspc_jax import models, rspc
+from rspc_jax.interop import layout as torch_layout
+from rspc_jax.interop import state_dicts as interop
 from rspc_jax.models import fan
 from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir, torch_keys_manifest
 
-VARIANTS = ("fan_tiny_8_p4_hybrid", "fan_small_12_p4_hybrid", "fan_base_16_p4_hybrid",
-            "fan_large_16_p4_hybrid", "fan_tiny_12_p16_224", "fan_small_12_p16_224")
+VARIANTS = (
+    "fan_tiny_8_p4_hybrid",
+    "fan_small_12_p4_hybrid",
+    "fan_base_16_p4_hybrid",
+    "fan_large_16_p4_hybrid",
+    "fan_tiny_12_p16_224",
+    "fan_small_12_p16_224",
+)
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
 
 
@@ -27,13 +32,21 @@ def _model_from_official(constructor: dict) -> fan.FAN:
     assert kwargs["img_size"] == fan.IMAGE_SIZE and not kwargs.get("sharpen_attn", False)
     assert not backbone["use_head"] and kwargs.get("c_head_num") is None
     depths = tuple(backbone["depths"])
-    return fan.FAN(num_classes=kwargs["num_classes"], embed_dim=kwargs["embed_dim"],
-                   depth=kwargs["depth"], num_heads=kwargs["num_heads"],
-                   mlp_ratio=kwargs["mlp_ratio"], qkv_bias=kwargs["qkv_bias"],
-                   stem_depths=depths, stem_dims=tuple(backbone["dims"][:len(depths)]),
-                   hybrid_patch_size=kwargs.get("hybrid_patch_size", 2),
-                   cls_attn_layers=kwargs["cls_attn_layers"], tokens_norm=kwargs["tokens_norm"],
-                   eta=kwargs["eta"], drop_path_rate=kwargs.get("drop_path_rate", 0.0))
+    return fan.FAN(
+        num_classes=kwargs["num_classes"],
+        embed_dim=kwargs["embed_dim"],
+        depth=kwargs["depth"],
+        num_heads=kwargs["num_heads"],
+        mlp_ratio=kwargs["mlp_ratio"],
+        qkv_bias=kwargs["qkv_bias"],
+        stem_depths=depths,
+        stem_dims=tuple(backbone["dims"][: len(depths)]),
+        hybrid_patch_size=kwargs.get("hybrid_patch_size", 2),
+        cls_attn_layers=kwargs["cls_attn_layers"],
+        tokens_norm=kwargs["tokens_norm"],
+        eta=kwargs["eta"],
+        drop_path_rate=kwargs.get("drop_path_rate", 0.0),
+    )
 
 
 def _zeros_like_manifest(entries) -> dict:
@@ -58,11 +71,16 @@ def test_converter_lists_missing_unexpected_and_misshaped_keys():
     state["pos_embeder.token_projection.bias"] = np.zeros((192,), np.float32)
     state["blocks.0.mlp.temperature"] = np.zeros((8,), np.float32)
     with pytest.raises(ValueError) as error:
-        interop.load_variables(state, _abstract_init(models.create("fan_tiny_8_p4_hybrid", num_classes=1000), IMAGES_224))
+        interop.load_variables(
+            state,
+            _abstract_init(models.create("fan_tiny_8_p4_hybrid", num_classes=1000), IMAGES_224),
+        )
     message = str(error.value)
-    for part in ("missing (1): blocks.3.mlp.mlp_v.dwconv.bn.running_var",
-                 "unexpected (1): pos_embeder.token_projection.bias",
-                 "blocks.0.mlp.temperature: (8,) -> (8,), expected (8, 1, 1)"):
+    for part in (
+        "missing (1): blocks.3.mlp.mlp_v.dwconv.bn.running_var",
+        "unexpected (1): pos_embeder.token_projection.bias",
+        "blocks.0.mlp.temperature: (8,) -> (8,), expected (8, 1, 1)",
+    ):
         assert part in message
 
 
@@ -77,24 +95,36 @@ def test_reduced_fixture_eval_parity():
     variables = interop.init_and_load(model, str(path / "state_dict.npz"))
     ref = dict(np.load(path / "outputs.npz"))
     debug = ("backbone", "patch_embed", "pos_embed", "norm") + tuple(
-        f"cls_attn_blocks_{i}" for i in range(model.cls_attn_layers))
-    forward = jax.jit(functools.partial(
-        model.apply, train=False, mutable=["intermediates"],
-        capture_intermediates=lambda m, _: m.name in debug))
+        f"cls_attn_blocks_{i}" for i in range(model.cls_attn_layers)
+    )
+    forward = jax.jit(
+        functools.partial(
+            model.apply,
+            train=False,
+            mutable=["intermediates"],
+            capture_intermediates=lambda m, _: m.name in debug,
+        )
+    )
     with jax.default_matmul_precision("highest"):
         logits, state = forward(variables, np.load(path / "inputs.npz")["x_nhwc"])
-    captured = {name: state["intermediates"][name]["__call__"][0]
-                for name in debug if name != "backbone"}
+    captured = {
+        name: state["intermediates"][name]["__call__"][0] for name in debug if name != "backbone"
+    }
     ours = {
         "logits": logits,
         "backbone_features": np.asarray(
-            state["intermediates"]["patch_embed"]["backbone"]["__call__"][0]).transpose(0, 3, 1, 2),
+            state["intermediates"]["patch_embed"]["backbone"]["__call__"][0]
+        ).transpose(0, 3, 1, 2),
         "patch_embed": np.asarray(captured["patch_embed"]).reshape(ref["patch_embed"].shape),
         "pos_encoding": captured["pos_embed"],
         "features": captured["norm"][:, 0],
     }
-    ours.update({f"cls_attn_block_{i:02d}": captured[f"cls_attn_blocks_{i}"][0]  # (x, attn)
-                 for i in range(model.cls_attn_layers)})
+    ours.update(
+        {
+            f"cls_attn_block_{i:02d}": captured[f"cls_attn_blocks_{i}"][0]  # (x, attn)
+            for i in range(model.cls_attn_layers)
+        }
+    )
     blocks = state["intermediates"]["block_outputs"]
     assert [f"block_{i:02d}" for i in range(len(blocks))] == list(config["block_modules"])
     ours.update({f"block_{i:02d}": tokens for i, tokens in enumerate(blocks)})
@@ -105,17 +135,19 @@ def test_reduced_fixture_eval_parity():
 
 
 def _abstract_init(model, images):
-    return jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0),
-                          images)
+    return jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0), images)
 
 
-@pytest.mark.parametrize("name, blocks, heads", [("fan_tiny_8_p4_hybrid", 8, 8),
-                                                  ("fan_tiny_12_p16_224", 12, 4)])
+@pytest.mark.parametrize(
+    "name, blocks, heads", [("fan_tiny_8_p4_hybrid", 8, 8), ("fan_tiny_12_p16_224", 12, 4)]
+)
 def test_tiny_sows_every_fan_block_in_forward_order(name, blocks, heads):
     model = models.create(name, num_classes=1000)
-    _, state = jax.eval_shape(functools.partial(
-        model.apply, train=False, mutable=["intermediates"], sow_attention=True),
-        _abstract_init(model, IMAGES_224), IMAGES_224)
+    _, state = jax.eval_shape(
+        functools.partial(model.apply, train=False, mutable=["intermediates"], sow_attention=True),
+        _abstract_init(model, IMAGES_224),
+        IMAGES_224,
+    )
     intermediates = state["intermediates"]
     assert [b.shape for b in intermediates["block_outputs"]] == [(2, 196, 192)] * blocks
     assert [m.shape for m in intermediates["attention_maps"]] == [(2, heads, 196, 196)] * blocks
@@ -130,18 +162,27 @@ def test_fourier_encoding_matches_official_definition():
     y = np.arange(1, 4) / (3 + 1e-6) * 2 * np.pi
     expected_y = np.where(k % 2 == 0, np.sin(y[:, None] / dim_t), np.cos(y[:, None] / dim_t))
     assert features.dtype == np.float32 and features.shape == (3, 5, 2 * fan.FOURIER_HIDDEN)
-    np.testing.assert_allclose(features[:, 2, :fan.FOURIER_HIDDEN], expected_y, atol=1e-6)
+    np.testing.assert_allclose(features[:, 2, : fan.FOURIER_HIDDEN], expected_y, atol=1e-6)
 
 
 def test_rspc_loss_trains_a_tiny_fan():
     """One RSPC step in train mode: BatchNorm statistics update, loss and gradients are sane."""
-    model = fan.FAN(num_classes=5, embed_dim=16, depth=1, num_heads=2, stem_depths=(1, 1),
-                    stem_dims=(8, 16), cls_attn_layers=1, drop_path_rate=0.1)
+    model = fan.FAN(
+        num_classes=5,
+        embed_dim=16,
+        depth=1,
+        num_heads=2,
+        stem_depths=(1, 1),
+        stem_dims=(8, 16),
+        cls_attn_layers=1,
+        drop_path_rate=0.1,
+    )
     images = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 64, 3))
     # Variables drawn with numpy: compiling flax's init on CPU costs more than the step.
     rng = np.random.default_rng(0)
-    variables = jax.tree.map(lambda s: rng.uniform(0.5, 1.5, s.shape).astype(np.float32),
-                             _abstract_init(model, images))
+    variables = jax.tree.map(
+        lambda s: rng.uniform(0.5, 1.5, s.shape).astype(np.float32), _abstract_init(model, images)
+    )
     occ = rspc.PatchCorruptionModel(patch_size=16)
     occ_params = occ.init(jax.random.PRNGKey(2), images)["params"]
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
@@ -149,16 +190,30 @@ def test_rspc_loss_trains_a_tiny_fan():
     noise = jax.random.uniform(jax.random.PRNGKey(3), images.shape)
 
     def loss(params):
-        return rspc.rspc_loss(params, occ_params, variables["batch_stats"], images, targets,
-                              noise, model=model, occ_model=occ, rho=0.25, lam=1.0,
-                              ste_clip=1.0, grad_scale=1.0, lower=lower, upper=upper,
-                              rngs={"dropout": jax.random.PRNGKey(4)})
+        return rspc.rspc_loss(
+            params,
+            occ_params,
+            variables["batch_stats"],
+            images,
+            targets,
+            noise,
+            model=model,
+            occ_model=occ,
+            rho=0.25,
+            lam=1.0,
+            ste_clip=1.0,
+            grad_scale=1.0,
+            lower=lower,
+            upper=upper,
+            rngs={"dropout": jax.random.PRNGKey(4)},
+        )
 
     (total, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     assert np.isfinite(float(total)) and float(aux["align"]) > 0
     norms = [float(jnp.abs(g).max()) for g in jax.tree.leaves(grads)]
     assert all(np.isfinite(norms)) and sum(n > 0 for n in norms) > len(norms) // 2
     assert float(jnp.abs(grads["blocks_0"]["attn"]["q"]["kernel"]).max()) > 0
-    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), aux["batch_stats"],
-                           variables["batch_stats"])
+    changed = jax.tree.map(
+        lambda a, b: bool(jnp.any(a != b)), aux["batch_stats"], variables["batch_stats"]
+    )
     assert all(jax.tree.leaves(changed))

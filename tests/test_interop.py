@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import interop
 from rspc_jax import models
+from rspc_jax.interop import state_dicts as interop
 from tests.conftest import assert_trees_equal, run_python
 
 TINY_RVT_PLUS = dict(base_dims=(8, 8), depth=(1, 1), heads=(2, 4), masked_block=1)
@@ -20,8 +20,11 @@ TINY_DEIT = dict(width=24, depth=2, num_heads=2)
 
 
 def _abstract(model, image_size):
-    return jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0),
-                          jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32))
+    return jax.eval_shape(
+        functools.partial(model.init, train=False),
+        jax.random.PRNGKey(0),
+        jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32),
+    )
 
 
 def _random(model, image_size, seed=0):
@@ -34,7 +37,8 @@ def _random(model, image_size, seed=0):
 
     abstract = _abstract(model, image_size)
     return jax.tree_util.tree_map_with_path(
-        draw, {c: abstract[c] for c in ("params", "batch_stats") if c in abstract})
+        draw, {c: abstract[c] for c in ("params", "batch_stats") if c in abstract}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +67,10 @@ def test_torch_containers_and_module_prefix_unwrap_to_the_same_weights(tiny_rvt,
     ema_variables = jax.tree.map(lambda v: v + 1, variables)
     ddp = {f"module.{k}": v for k, v in raw.items()}
     files = {
-        "saver.pth.tar": ({"state_dict": ddp, "state_dict_ema": ema, "arch": "rvt", "epoch": 3},
-                          True),
+        "saver.pth.tar": (
+            {"state_dict": ddp, "state_dict_ema": ema, "arch": "rvt", "epoch": 3},
+            True,
+        ),
         "deit.pth": ({"model": raw, "model_ema": ema}, True),
         "bare.pth": (raw, False),
     }
@@ -77,7 +83,9 @@ def test_torch_containers_and_module_prefix_unwrap_to_the_same_weights(tiny_rvt,
     with pytest.raises(ValueError, match="bare state dict with one set of weights"):
         interop.read_state_dict(str(tmp_path / "bare.pth"), ema=True)
     interop.save_torch(str(tmp_path / "other.pth"), {"optimizer": raw, "epoch": 1})
-    with pytest.raises(ValueError, match=r"no 'state_dict' or 'model' entry .*'epoch', 'optimizer'"):
+    with pytest.raises(
+        ValueError, match=r"no 'state_dict' or 'model' entry .*'epoch', 'optimizer'"
+    ):
         interop.read_state_dict(str(tmp_path / "other.pth"))
 
 
@@ -93,9 +101,14 @@ def test_mismatched_checkpoint_lists_every_problem_and_loads_nothing(tiny_rvt, t
     with pytest.raises(ValueError) as error:
         interop.load_checkpoint(path, variables)
     message = str(error.value)
-    for part in (f"checkpoint {path} does not fit the model", "missing (1): norm.weight",
-                 "unexpected (1): pos_embed", "head.weight: (1000, 32) -> (32, 1000), expected "
-                 "(32, 5)", "head.bias: (1000,)", "config.init_head='reset'"):
+    for part in (
+        f"checkpoint {path} does not fit the model",
+        "missing (1): norm.weight",
+        "unexpected (1): pos_embed",
+        "head.weight: (1000, 32) -> (32, 1000), expected (32, 5)",
+        "head.bias: (1000,)",
+        "config.init_head='reset'",
+    ):
         assert part in message
 
 
@@ -108,7 +121,9 @@ def test_truncated_or_missing_file_gives_a_clear_error(tiny_rvt, tmp_path, suffi
     save = interop.save_safetensors if suffix == ".safetensors" else interop.save_torch
     save(str(path), interop.export_state_dict(variables))
     path.write_bytes(path.read_bytes()[:-1000])
-    with pytest.raises(ValueError, match=f"could not read checkpoint {path} .*is the file complete"):
+    with pytest.raises(
+        ValueError, match=f"could not read checkpoint {path} .*is the file complete"
+    ):
         interop.load_checkpoint(str(path), variables)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         interop.load_checkpoint(str(tmp_path / f"absent{suffix}"), variables)
@@ -143,14 +158,18 @@ def test_resize_interpolates_paas_masks_and_position_embeddings(tiny_rvt, tmp_pa
     resized = np.asarray(loaded["params"]["transformers_0"]["blocks_0"]["attn"]["att_mask"])
     assert resized.shape == (2, 256, 256)
     np.testing.assert_allclose(resized, 0.7, rtol=1e-6)
-    logits = jax.eval_shape(functools.partial(model.apply, train=False), loaded,
-                            jax.ShapeDtypeStruct((2, 256, 256, 3), jnp.float32))
+    logits = jax.eval_shape(
+        functools.partial(model.apply, train=False),
+        loaded,
+        jax.ShapeDtypeStruct((2, 256, 256, 3), jnp.float32),
+    )
     assert logits.shape == (2, 5)
 
     # Interpolation of a 4x4 grid that varies linearly keeps it linear inside the grid.
     steps = np.arange(4, dtype=np.float32)
-    mask = np.broadcast_to(steps[:, None, None, None] + 2 * steps[None, None, :, None],
-                           (4, 4, 4, 4))  # (query row, query col, key row, key col)
+    mask = np.broadcast_to(
+        steps[:, None, None, None] + 2 * steps[None, None, :, None], (4, 4, 4, 4)
+    )  # (query row, query col, key row, key col)
     resized = interop.resize_att_mask(mask.reshape(1, 16, 16), 64).reshape(8, 8, 8, 8)
     np.testing.assert_allclose(np.diff(resized[2:6, 0, 3, 0]), 0.5, rtol=1e-5)
     np.testing.assert_allclose(np.diff(resized[4, 0, 2:6, 0]), 1.0, rtol=1e-5)

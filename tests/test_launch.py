@@ -8,34 +8,53 @@ import pytest
 
 from tests.conftest import REPO
 
-POD = dict(PROJECT="my-project", ZONE="europe-west4-a", TPU_NAME="rspc", BUCKET="my-bucket",
-           ACCELERATOR="v3-32")
+POD = dict(
+    PROJECT="my-project",
+    ZONE="europe-west4-a",
+    TPU_NAME="rspc",
+    BUCKET="my-bucket",
+    ACCELERATOR="v3-32",
+)
 
 
 def _launch(*args, **env):
     clean = {k: v for k, v in os.environ.items() if k not in POD and k not in ("SPOT", "QUEUED")}
-    return subprocess.run(["bash", str(REPO / "launch" / "tpu_vm.sh"), *args], cwd=REPO,
-                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(REPO / "launch" / "tpu_vm.sh"), *args],
+        cwd=REPO,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_dry_run_of_a_v3_32_pod_prints_the_gcloud_commands():
     where = "--zone=europe-west4-a --project=my-project"
     create = _launch("--dry-run", "create", SPOT="1", **POD)
     assert create.returncode == 0, create.stderr
-    assert (f"gcloud compute tpus tpu-vm create rspc {where} --accelerator-type=v3-32 "
-            "--version=tpu-ubuntu2204-base --spot") in create.stdout
+    assert (
+        f"gcloud compute tpus tpu-vm create rspc {where} --accelerator-type=v3-32 "
+        "--version=tpu-ubuntu2204-base --spot"
+    ) in create.stdout
     queued = _launch("--dry-run", "create", QUEUED="1", **POD).stdout
-    assert (f"gcloud compute tpus queued-resources create rspc --node-id=rspc {where} "
-            "--accelerator-type=v3-32 --runtime-version=tpu-ubuntu2204-base") in queued
+    assert (
+        f"gcloud compute tpus queued-resources create rspc --node-id=rspc {where} "
+        "--accelerator-type=v3-32 --runtime-version=tpu-ubuntu2204-base"
+    ) in queued
     setup = _launch("--dry-run", "setup", **POD).stdout.splitlines()
     assert setup[0].startswith("gcloud compute tpus tpu-vm scp --recurse ")
     assert f"rspc:\\~/rspc_jax {where} --worker=all" in setup[0]
     assert "--worker=all" in setup[1] and "jax\\[tpu\\]==0.10.2" in setup[1]
     train = _launch("--dry-run", "train", "--config=configs/rvt_b.py", **POD).stdout
     assert f"gcloud compute tpus tpu-vm ssh rspc {where} --worker=all --command" in train
-    for part in ("TFDS_DATA_DIR=gs://my-bucket/tfds", "python -m rspc_jax.main",
-                 "--config=configs/rvt_b.py", "--workdir=gs://my-bucket/rspc_runs/rspc",
-                 "--config.distributed=yes"):
+    for part in (
+        "TFDS_DATA_DIR=gs://my-bucket/tfds",
+        "python -m rspc_jax.main",
+        "--config=configs/rvt_b.py",
+        "--workdir=gs://my-bucket/rspc_runs/rspc",
+        "--config.distributed=yes",
+    ):
         assert part in train.replace("\\", ""), part
     resume = _launch("--dry-run", "resume", "--config=configs/rvt_b.py", **POD).stdout.splitlines()
     assert [line.split()[4] for line in resume] == ["delete", "create", "scp", "ssh", "ssh"]
@@ -43,8 +62,10 @@ def test_dry_run_of_a_v3_32_pod_prints_the_gcloud_commands():
     assert "tpu-vm delete rspc" in _launch("--dry-run", "delete", **POD).stdout
 
 
-@pytest.mark.parametrize("missing,command", [("PROJECT", "create"), ("ZONE", "setup"),
-                                             ("ACCELERATOR", "create"), ("BUCKET", "train")])
+@pytest.mark.parametrize(
+    "missing,command",
+    [("PROJECT", "create"), ("ZONE", "setup"), ("ACCELERATOR", "create"), ("BUCKET", "train")],
+)
 def test_a_missing_variable_stops_the_script_and_names_it(missing, command):
     env = {k: v for k, v in POD.items() if k != missing}
     result = _launch("--dry-run", command, "--config=configs/demo.py", **env)
@@ -62,12 +83,20 @@ def test_train_needs_a_config_and_an_unknown_command_shows_the_usage():
 def test_accelerator_benchmark_script_runs_every_table_row(tmp_path):
     """With `echo` as its Python, the script logs the benchmark command of each row."""
     log = tmp_path / "bench.log"
-    result = subprocess.run(["bash", str(REPO / "launch" / "benchmark_accelerator.sh"), str(log)],
-                            cwd=REPO, env={**os.environ, "PYTHON": "echo", "BATCH": "64"},
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", str(REPO / "launch" / "benchmark_accelerator.sh"), str(log)],
+        cwd=REPO,
+        env={**os.environ, "PYTHON": "echo", "BATCH": "64"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
-    runs = [line for line in log.read_text().splitlines()
-            if line.startswith("-m rspc_jax.benchmark --steps=10 ")]
+    runs = [
+        line
+        for line in log.read_text().splitlines()
+        if line.startswith("-m rspc_jax.benchmark --steps=10 ")
+    ]
     assert len(runs) == 9
     assert runs[0].endswith("--config=configs/rvt_ti.py --batch=8")
     for config in ("deit_s", "rvt_s", "fan_s_hybrid"):

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax.models import layers
+from rspc_jax import models
+from rspc_jax.models import layers, ops
+
 
 def _assert_same_values_and_gradients(fn, expected_fn, *args):
     key_t = jax.random.PRNGKey(7)
@@ -27,8 +29,10 @@ def _assert_same_values_and_gradients(fn, expected_fn, *args):
 
 def _input_and_kernel(spatial: int, channels: int, kernel_shape: tuple[int, ...]):
     key_x, key_k = jax.random.split(jax.random.PRNGKey(0))
-    return (jax.random.normal(key_x, (2, spatial, spatial, channels)),
-            jax.random.normal(key_k, kernel_shape))
+    return (
+        jax.random.normal(key_x, (2, spatial, spatial, channels)),
+        jax.random.normal(key_k, kernel_shape),
+    )
 
 
 DENSE_CASES = {  # name: (in, out, kernel, strides, padding, size)
@@ -45,8 +49,11 @@ def test_convolution_as_matrix_product_equals_xla_convolution(case):
     channels, features, size, strides, padding, spatial = DENSE_CASES[case]
     x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
     _assert_same_values_and_gradients(
-        lambda x, k: layers.conv_as_matmul(x, k, strides, padding),
-        lambda x, k: layers.conv_reference(x, k, strides, padding), x, kernel)
+        lambda x, k: ops.conv_im2col(x, k, strides, padding),
+        lambda x, k: ops.conv_reference(x, k, strides, padding),
+        x,
+        kernel,
+    )
 
 
 def test_conv_module_has_the_nn_conv_parameters_and_output():
@@ -54,17 +61,21 @@ def test_conv_module_has_the_nn_conv_parameters_and_output():
     reference = nn.Conv(4, (3, 3), strides=2, padding=((1, 1), (1, 1)), use_bias=False)
     conv = layers.Conv(4, 3, strides=2, padding=1, use_bias=False)
     variables = reference.init(jax.random.PRNGKey(2), x)
-    assert jax.tree.map(jnp.shape, conv.init(jax.random.PRNGKey(2), x)) == \
-        jax.tree.map(jnp.shape, variables)
-    np.testing.assert_allclose(conv.apply(variables, x), reference.apply(variables, x),
-                               rtol=1e-5, atol=1e-5)
+    assert jax.tree.map(jnp.shape, conv.init(jax.random.PRNGKey(2), x)) == jax.tree.map(
+        jnp.shape, variables
+    )
+    np.testing.assert_allclose(
+        conv.apply(variables, x), reference.apply(variables, x), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_max_pool_as_shifted_maximum_equals_flax_max_pool():
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 11, 11, 4))  # no ties
     _assert_same_values_and_gradients(
-        lambda x: layers.max_pool(x, 3, 2, 1),
-        lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1))), x)
+        lambda x: ops.max_pool_windows(x, 3, 2, 1),
+        lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1))),
+        x,
+    )
 
 
 CASES = {  # name: (channels, multiplier, kernel, strides, padding, size)
@@ -80,8 +91,11 @@ def test_shifted_products_equal_the_grouped_convolution_and_its_gradients(case):
     channels, multiplier, size, strides, padding, spatial = CASES[case]
     x, kernel = _input_and_kernel(spatial, channels, (size, size, 1, channels * multiplier))
     _assert_same_values_and_gradients(
-        lambda x, k: layers.depthwise_conv(x, k, strides, padding),
-        lambda x, k: layers.grouped_conv_reference(x, k, strides, padding), x, kernel)
+        lambda x, k: ops.depthwise_conv_shifted(x, k, strides, padding),
+        lambda x, k: ops.grouped_conv_reference(x, k, strides, padding),
+        x,
+        kernel,
+    )
 
 
 def test_depthwise_conv_module_has_the_grouped_nn_conv_parameters_and_output():
@@ -89,12 +103,44 @@ def test_depthwise_conv_module_has_the_grouped_nn_conv_parameters_and_output():
     grouped = nn.Conv(8, (3, 3), strides=2, padding=((1, 1), (1, 1)), feature_group_count=4)
     depthwise = layers.DepthwiseConv(8, 3, strides=2, padding=1)
     variables = grouped.init(jax.random.PRNGKey(2), x)
-    assert jax.tree.map(jnp.shape, depthwise.init(jax.random.PRNGKey(2), x)) == \
-        jax.tree.map(jnp.shape, variables)
-    np.testing.assert_allclose(depthwise.apply(variables, x), grouped.apply(variables, x),
-                               rtol=1e-5, atol=1e-5)
+    assert jax.tree.map(jnp.shape, depthwise.init(jax.random.PRNGKey(2), x)) == jax.tree.map(
+        jnp.shape, variables
+    )
+    np.testing.assert_allclose(
+        depthwise.apply(variables, x), grouped.apply(variables, x), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_output_channels_must_be_a_multiple_of_the_input_channels():
     with pytest.raises(ValueError, match="multiple of its input channels"):
         layers.DepthwiseConv(6, 3).init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 4, 4)))
+
+
+def test_the_switch_gives_the_same_model_on_both_implementations():
+    """A whole RVT (dense, depthwise and pooling window ops) traced with each
+    implementation: same logits and gradients to float32 rounding."""
+    model = models.create(
+        "rvt_tiny_plus", num_classes=5, base_dims=(8, 8), depth=(1, 1), heads=(2, 4), masked_block=1
+    )
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 64, 3))
+    variables = model.init(jax.random.PRNGKey(1), x, train=False)
+
+    def loss(params):
+        logits = model.apply({**variables, "params": params}, x, train=False)
+        return jnp.sum(logits**2), logits
+
+    results = {}
+    for choice in ("windows", "xla"):
+        with ops.implementation(choice):
+            results[choice] = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
+    (_, logits_w), grads_w = results["windows"]
+    (_, logits_x), grads_x = results["xla"]
+    np.testing.assert_allclose(logits_w, logits_x, rtol=1e-4, atol=1e-4)
+    for g_w, g_x in zip(jax.tree.leaves(grads_w), jax.tree.leaves(grads_x), strict=True):
+        np.testing.assert_allclose(g_w, g_x, rtol=1e-3, atol=1e-4)
+
+
+def test_an_unknown_implementation_is_refused():
+    with pytest.raises(ValueError, match="not one of"):
+        with ops.implementation("cudnn"):
+            pass

@@ -6,34 +6,49 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import input_pipeline
 from rspc_jax import parallel
-from rspc_jax import train
+from rspc_jax.data import specs as datasets
+from rspc_jax.data import train as train_data
+from rspc_jax.training import setup
 from tests.conftest import smoke_config
 
 # Tiny members of each family that run on the 32x32 digits (no PAAS: it needs 224 px).
 FAMILIES = {
     "vit": ("vit_tiny", dict(width=32, depth=2, num_heads=2, patch_size=8)),
     "rvt": ("rvt_tiny", dict(base_dims=(8, 8), depth=(1, 1), heads=(2, 4))),
-    "fan": ("fan_tiny_8_p4_hybrid", dict(embed_dim=16, depth=2, num_heads=2, stem_depths=(1, 1),
-                                         stem_dims=(8, 16), cls_attn_layers=1)),
-    "xcit": ("xcit_nano_12_p16_224", dict(embed_dim=16, depth=2, num_heads=2,
-                                          cls_attn_layers=1)),
+    "fan": (
+        "fan_tiny_8_p4_hybrid",
+        dict(
+            embed_dim=16,
+            depth=2,
+            num_heads=2,
+            stem_depths=(1, 1),
+            stem_dims=(8, 16),
+            cls_attn_layers=1,
+        ),
+    ),
+    "xcit": ("xcit_nano_12_p16_224", dict(embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1)),
 }
 COMPARED = ("loss", "ce", "align", "grad_norm", "occ_grad_norm")
 
 
 def _config(data_dir, model_name, model_overrides, **config_overrides):
-    return smoke_config(data_dir, model_name=model_name, model=dict(model_overrides),
-                        batch_size=4, **{"rspc.rho": 0.25, "model.drop_path_rate": 0.1},
-                        **config_overrides)
+    return smoke_config(
+        data_dir,
+        model_name=model_name,
+        model=dict(model_overrides),
+        batch_size=4,
+        **{"rspc.rho": 0.25, "model.drop_path_rate": 0.1},
+        **config_overrides,
+    )
 
 
 def _parts(config):
-    spec = input_pipeline.dataset_spec(config.dataset)
-    model = train.build_model(config, spec.num_classes)
-    return train.build(config, model, spec, parallel.create_mesh(), steps_per_epoch=10,
-                       total_steps=10)
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
+    return setup.build(
+        config, model, spec, parallel.create_mesh(), steps_per_epoch=10, total_steps=10
+    )
 
 
 def _one_step_from_a_shared_start(config):
@@ -42,10 +57,20 @@ def _one_step_from_a_shared_start(config):
     the optimizer state, so every variant starts from the same state (copied: the step
     donates it)."""
     mesh = parallel.create_mesh()
-    batch = parallel.to_global(next(input_pipeline.train_iterator(
-        dataset=config.dataset, data_dir=config.data_dir, split="train",
-        image_size=config.image_size, local_batch_size=config.batch_size, seed=0,
-        augment="none")), mesh)
+    batch = parallel.to_global(
+        next(
+            train_data.train_iterator(
+                dataset=config.dataset,
+                data_dir=config.data_dir,
+                split="train",
+                image_size=config.image_size,
+                local_batch_size=config.batch_size,
+                seed=0,
+                augment="none",
+            )
+        ),
+        mesh,
+    )
     initial = _parts(config).init(jax.random.PRNGKey(0))
 
     def one_step(variant):
@@ -73,14 +98,14 @@ def test_rspc_step_remat_and_bfloat16_agree_with_the_default(digits_data_dir, fa
     for ours, ref in zip(jax.tree.leaves(remat_state.params), jax.tree.leaves(state.params)):
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-5)
 
-    bf16_state, bf16 = one_step(_config(digits_data_dir, name, overrides,
-                                        compute_dtype="bfloat16"))
+    bf16_state, bf16 = one_step(_config(digits_data_dir, name, overrides, compute_dtype="bfloat16"))
     for key in ("loss", "ce", "grad_norm"):
         np.testing.assert_allclose(bf16[key], metrics[key], rtol=5e-2, err_msg=key)
     # Master parameters, optimizer state and BatchNorm statistics stay float32.
     for tree in (bf16_state.params, bf16_state.opt_state, bf16_state.batch_stats):
-        assert {leaf.dtype for leaf in jax.tree.leaves(tree)
-                if jnp.issubdtype(leaf.dtype, jnp.floating)} <= {jnp.dtype(jnp.float32)}
+        assert {
+            leaf.dtype for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)
+        } <= {jnp.dtype(jnp.float32)}
 
 
 def test_rspc_step_with_scanned_blocks_equals_the_unrolled_step(digits_data_dir):
@@ -96,8 +121,10 @@ def test_rspc_step_with_scanned_blocks_equals_the_unrolled_step(digits_data_dir)
     scanned_state, scanned_metrics = one_step(scanned)
     for key in COMPARED:
         np.testing.assert_allclose(scanned_metrics[key], metrics[key], rtol=1e-5, err_msg=key)
-    for tree, ref in ((scanned_state.params, state.params),
-                      (scanned_state.occ_params, state.occ_params)):
+    for tree, ref in (
+        (scanned_state.params, state.params),
+        (scanned_state.occ_params, state.occ_params),
+    ):
         assert jax.tree.structure(tree) == jax.tree.structure(ref)
         for ours, theirs in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)):
             np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
@@ -108,31 +135,36 @@ def test_scan_blocks_on_a_model_without_it_is_refused(digits_data_dir):
     config = _config(digits_data_dir, name, overrides)
     config.scan_blocks = True
     with pytest.raises(ValueError, match="rvt_tiny has no scan_blocks option"):
-        train.build_model(config, 10)
+        setup.build_model(config, 10)
 
 
 def test_unknown_compute_dtype_is_refused(digits_data_dir):
     config = smoke_config(digits_data_dir, compute_dtype="float16")
     with pytest.raises(ValueError, match="compute_dtype='float16' is not one of"):
-        train.validate_config(config)
+        setup.validate_config(config)
 
 
 def test_patch_aug_official_moves_only_batchnorm_statistics_intended_adds_gradients(
-        digits_data_dir):
+    digits_data_dir,
+):
     """RVT's BatchNorm normalises with batch statistics in training, so the official
     (gradient-discarding) patch-wise augmentation changes nothing but the running stats."""
     name, overrides = FAMILIES["rvt"]
     one_step = _one_step_from_a_shared_start(_config(digits_data_dir, name, overrides))
     (off, off_m), (official, official_m), (intended, intended_m) = (
         one_step(_config(digits_data_dir, name, overrides, patch_aug=mode))
-        for mode in ("off", "official", "intended"))
+        for mode in ("off", "official", "intended")
+    )
     for key in COMPARED:
         np.testing.assert_array_equal(official_m[key], off_m[key], err_msg=key)
     assert jax.tree.all(jax.tree.map(np.array_equal, official.params, off.params))
     assert jax.tree.all(jax.tree.map(np.array_equal, official.occ_params, off.occ_params))
     # Running statistics were updated twice (augmented, then clean batch).
-    moved = jax.tree.leaves(jax.tree.map(lambda a, b: not np.allclose(a, b, atol=1e-7),
-                                         official.batch_stats, off.batch_stats))
+    moved = jax.tree.leaves(
+        jax.tree.map(
+            lambda a, b: not np.allclose(a, b, atol=1e-7), official.batch_stats, off.batch_stats
+        )
+    )
     assert all(moved)
     # Intended: the clean-batch loss is the same, the gradient is the sum of both passes.
     np.testing.assert_allclose(intended_m["loss"], off_m["loss"], rtol=1e-6)

@@ -8,21 +8,24 @@ _EQUALITY_SCRIPT = textwrap.dedent("""
     import itertools, sys
     import jax, numpy as np
     from jax.sharding import Mesh
-    from rspc_jax import input_pipeline, parallel, rspc, train
+    from rspc_jax import parallel, rspc
+    from rspc_jax.data import specs as datasets
+    from rspc_jax.data import train as train_data
+    from rspc_jax.training import setup
     from tests.conftest import smoke_config
 
     assert jax.device_count() == 8, jax.devices()
     # Drop-path masks are drawn per device, so they are off for the comparison.
     config = smoke_config(sys.argv[1], batch_size=16, **{"model.drop_path_rate": 0.0})
-    spec = input_pipeline.dataset_spec(config.dataset)
-    model = train.build_model(config, spec.num_classes)
-    batches = list(itertools.islice(input_pipeline.train_iterator(
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
+    batches = list(itertools.islice(train_data.train_iterator(
         dataset=config.dataset, data_dir=config.data_dir, split="train", image_size=32,
         local_batch_size=16, seed=0, augment="digits"), 3))
     results = {}
     for n in (1, 8):
         mesh = Mesh(np.asarray(jax.devices()[:n]), (parallel.DATA_AXIS,))
-        parts = train.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
+        parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
         state = parts.init(jax.random.PRNGKey(0))
         for batch in batches:
             state, metrics = parts.train_step(state, parallel.to_global(batch, mesh))
@@ -40,7 +43,7 @@ _EQUALITY_SCRIPT = textwrap.dedent("""
     print("max param diff", max(float(np.abs(a - b).max()) for a, b in
           zip(jax.tree.leaves(state1.params), jax.tree.leaves(state8.params))))
     try:
-        train.validate_config(smoke_config(sys.argv[1], batch_size=12))
+        setup.validate_config(smoke_config(sys.argv[1], batch_size=12))
     except ValueError as e:
         assert "batch_size=12 is not divisible by the 8 devices" in str(e), e
     else:
@@ -56,10 +59,20 @@ def test_eight_device_step_equals_single_device_step(digits_data_dir):
 
 
 def test_demo_runs_to_the_end_on_eight_devices(digits_data_dir, tmp_path):
-    result = run_python(["-m", "rspc_jax.main", "--config=configs/demo.py:smoke",
-                         f"--workdir={tmp_path / 'run'}", f"--config.data_dir={digits_data_dir}",
-                         "--config.total_steps=12", "--config.batch_size=16",
-                         "--config.eval_batch_size=64"], devices=8, timeout=400)
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.main",
+            "--config=configs/demo.py:smoke",
+            f"--workdir={tmp_path / 'run'}",
+            f"--config.data_dir={digits_data_dir}",
+            "--config.total_steps=12",
+            "--config.batch_size=16",
+            "--config.eval_batch_size=64",
+        ],
+        devices=8,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "8 devices (cpu)" in result.stdout
-    assert "Done: 12 steps" in result.stdout
+    assert "8 devices (cpu)" in result.stderr  # absl logging
+    assert "Done: 12 steps" in result.stderr

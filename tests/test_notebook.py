@@ -11,8 +11,13 @@ from safetensors.numpy import load_file
 from tests.conftest import REPO
 
 NOTEBOOK = REPO / "notebooks" / "rspc_colab.ipynb"
-FIGURES = ("occlusion_boxplot.png", "learned_masks.png", "cos_sim_histogram.png",
-           "attention_maps_0.png", "attention_maps_1.png")
+FIGURES = (
+    "occlusion_boxplot.png",
+    "learned_masks.png",
+    "cos_sim_histogram.png",
+    "attention_maps_0.png",
+    "attention_maps_1.png",
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +25,18 @@ def executed(digits_data_dir, tmp_path_factory):
     """(executed notebook, its working directory)."""
     cwd = tmp_path_factory.mktemp("notebook")
     pythonpath = filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
-    env = dict(os.environ, RSPC_NOTEBOOK_SMOKE="1", RSPC_NOTEBOOK_DATA_DIR=digits_data_dir,
-               RSPC_NOTEBOOK_REPO_DIR=str(REPO), PYTHONPATH=os.pathsep.join(pythonpath))
+    env = dict(
+        os.environ,
+        RSPC_NOTEBOOK_SMOKE="1",
+        RSPC_NOTEBOOK_DATA_DIR=digits_data_dir,
+        RSPC_NOTEBOOK_REPO_DIR=str(REPO),
+        PYTHONPATH=os.pathsep.join(pythonpath),
+    )
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # Kernel python3 runs this interpreter (jupyter_client substitutes sys.executable).
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(cwd)}}).execute(env=env)
+    nbclient.NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    ).execute(env=env)
     return nb, cwd
 
 

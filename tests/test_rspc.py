@@ -5,16 +5,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import interop
 from rspc_jax import rspc
+from rspc_jax.interop import state_dicts as interop
 from tests.conftest import fixture_dir
 
 
 def _official_occlusion():
     path = fixture_dir("rspc_occlusion")
     inputs = np.load(path / "inputs.npz")
-    params = interop.load_checkpoint(str(path / "state_dict.npz"), jax.eval_shape(
-        rspc.PatchCorruptionModel(16).init, jax.random.PRNGKey(0), inputs["x_nhwc"]))["params"]
+    params = interop.load_checkpoint(
+        str(path / "state_dict.npz"),
+        jax.eval_shape(rspc.PatchCorruptionModel(16).init, jax.random.PRNGKey(0), inputs["x_nhwc"]),
+    )["params"]
     return params, inputs, np.load(path / "outputs.npz")
 
 
@@ -26,20 +28,32 @@ def test_corruption_model_matches_official_fixture():
     np.testing.assert_allclose(upper, ref["clamp_upper"], atol=1e-6)
 
     scores = occ.apply({"params": params}, inputs["x_nhwc"])
-    np.testing.assert_allclose(scores, ref["scores"], atol=1e-5 * max(1, np.abs(ref["scores"]).max()))
+    np.testing.assert_allclose(
+        scores, ref["scores"], atol=1e-5 * max(1, np.abs(ref["scores"]).max())
+    )
     np.testing.assert_array_equal(rspc.keep_mask(scores, 0.1), ref["patch_mask"])
 
     def objective(p):
         corrupted, _ = rspc.corrupt_batch(
-            p, inputs["x_nhwc"], inputs["noise_nhwc"], occ_model=occ, rho=0.1, ste_clip=1.0,
-            grad_scale=1.0, lower=lower, upper=upper)
+            p,
+            inputs["x_nhwc"],
+            inputs["noise_nhwc"],
+            occ_model=occ,
+            rho=0.1,
+            ste_clip=1.0,
+            grad_scale=1.0,
+            lower=lower,
+            upper=upper,
+        )
         return jnp.sum(corrupted * inputs["G_nhwc"]), corrupted
 
     (value, corrupted), grads = jax.value_and_grad(objective, has_aux=True)(params)
     np.testing.assert_allclose(corrupted, ref["corrupted_nhwc"], atol=1e-6)
     np.testing.assert_allclose(value, ref["objective"], rtol=1e-5)
-    for ours, key in ((grads["patch_embed"]["kernel"].transpose(3, 2, 0, 1), "grad/patch_embed.weight"),
-                      (grads["fc"]["kernel"].T, "grad/fc.weight")):
+    for ours, key in (
+        (grads["patch_embed"]["kernel"].transpose(3, 2, 0, 1), "grad/patch_embed.weight"),
+        (grads["fc"]["kernel"].T, "grad/fc.weight"),
+    ):
         np.testing.assert_allclose(ours, ref[key], atol=1e-4 * np.abs(ref[key]).max())
 
 
@@ -84,7 +98,9 @@ def test_occlusion_keeps_pixels_and_fills_whole_patches_with_clamped_noise():
     assert pixel.shape == (2, 12, 20, 1)
     # Constant over each patch, and equal to that patch's mask value (row-major order).
     blocks = np.asarray(pixel).reshape(2, 3, patch, 5, patch)
-    np.testing.assert_array_equal(blocks, np.asarray(mask).reshape(2, 3, 1, 5, 1) * np.ones_like(blocks))
+    np.testing.assert_array_equal(
+        blocks, np.asarray(mask).reshape(2, 3, 1, 5, 1) * np.ones_like(blocks)
+    )
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     out = np.asarray(rspc.occlude(images, pixel, noise, lower, upper))
     keep = np.broadcast_to(np.asarray(pixel) == 1, out.shape)
@@ -97,6 +113,7 @@ def test_occlusion_keeps_pixels_and_fills_whole_patches_with_clamped_noise():
 
 def test_alignment_loss_equals_eq2_on_sown_features():
     from rspc_jax import models
+
     model = models.create("vit_demo", num_classes=10, depth=3, width=32, num_heads=2)
     images = jax.random.normal(jax.random.PRNGKey(0), (4, 32, 32, 3))
     variables = model.init(jax.random.PRNGKey(1), images[:1], train=False)
@@ -104,8 +121,12 @@ def test_alignment_loss_equals_eq2_on_sown_features():
     features = state["intermediates"]["block_outputs"]
     assert len(features) == 3
     half = 2
-    direct = np.mean([np.mean((np.asarray(f[:half], np.float64) - np.asarray(f[half:], np.float64)) ** 2)
-                      for f in features])
+    direct = np.mean(
+        [
+            np.mean((np.asarray(f[:half], np.float64) - np.asarray(f[half:], np.float64)) ** 2)
+            for f in features
+        ]
+    )
     np.testing.assert_allclose(rspc.alignment_loss(features), direct, rtol=1e-5)
     # The clean side is not detached: both halves receive gradient.
     grad = jax.grad(lambda f: rspc.alignment_loss([f]))(features[0])
@@ -129,10 +150,19 @@ def test_random_selection_ignores_the_corruption_model():
     random_scores = jax.random.uniform(jax.random.PRNGKey(3), (3, 16))
 
     def objective(p):
-        corrupted, mask = rspc.corrupt_batch(p, images, noise, occ_model=occ, rho=0.25, ste_clip=1.0,
-                                             grad_scale=1.0, lower=None, upper=None,
-                                             random_scores=random_scores)
-        return jnp.sum(corrupted ** 2), mask
+        corrupted, mask = rspc.corrupt_batch(
+            p,
+            images,
+            noise,
+            occ_model=occ,
+            rho=0.25,
+            ste_clip=1.0,
+            grad_scale=1.0,
+            lower=None,
+            upper=None,
+            random_scores=random_scores,
+        )
+        return jnp.sum(corrupted**2), mask
 
     grads, mask = jax.grad(objective, has_aux=True)(params)
     assert all(not np.any(g) for g in jax.tree.leaves(grads))

@@ -1,5 +1,5 @@
 """RVT / RVT* against the official PyTorch code: sizes, state-dict layout, eval fixtures,
-and one RSPC training step (README tolerances of ../shared/reference/fixtures)."""
+and one RSPC training step (tolerances: docs/testing.md, "Reference fixtures and skips")."""
 
 import functools
 import json
@@ -11,15 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import interop
-from rspc_jax import models
-from rspc_jax import rspc
-from rspc_jax import torch_layout
+from rspc_jax import models, rspc
+from rspc_jax.interop import layout as torch_layout
+from rspc_jax.interop import state_dicts as interop
 from rspc_jax.models import rvt
 from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir, torch_keys_manifest
 
-VARIANTS = ("rvt_tiny", "rvt_tiny_plus", "rvt_small", "rvt_small_plus", "rvt_base",
-            "rvt_base_plus")
+VARIANTS = ("rvt_tiny", "rvt_tiny_plus", "rvt_small", "rvt_small_plus", "rvt_base", "rvt_base_plus")
 LOSS_SCALE_KEY = "loss_scale_for_extra"
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
 
@@ -28,12 +26,16 @@ def _model_from_official(kwargs: dict) -> rvt.RVT:
     """PoolingTransformer(**kwargs) -> RVT; image_size/patch_size/stride are unused there."""
     assert kwargs["image_size"] == 224
     assert kwargs.get("attn_drop_rate", 0.0) == kwargs.get("drop_rate", 0.0)
-    return rvt.RVT(num_classes=kwargs["num_classes"], base_dims=tuple(kwargs["base_dims"]),
-                   depth=tuple(kwargs["depth"]), heads=tuple(kwargs["heads"]),
-                   mlp_ratio=kwargs["mlp_ratio"],
-                   masked_block=kwargs["masked_block"] if kwargs.get("use_mask") else 0,
-                   drop_path_rate=kwargs.get("drop_path_rate", 0.0),
-                   dropout=kwargs.get("drop_rate", 0.0))
+    return rvt.RVT(
+        num_classes=kwargs["num_classes"],
+        base_dims=tuple(kwargs["base_dims"]),
+        depth=tuple(kwargs["depth"]),
+        heads=tuple(kwargs["heads"]),
+        mlp_ratio=kwargs["mlp_ratio"],
+        masked_block=kwargs["masked_block"] if kwargs.get("use_mask") else 0,
+        drop_path_rate=kwargs.get("drop_path_rate", 0.0),
+        dropout=kwargs.get("drop_rate", 0.0),
+    )
 
 
 def _zeros_like_manifest(entries) -> dict:
@@ -64,10 +66,15 @@ def test_converter_lists_missing_unexpected_and_misshaped_keys():
     state["pos_embed"] = np.zeros((1, 196, 192), np.float32)
     state["pools.0.conv.weight"] = np.zeros((384, 2, 3, 3), np.float32)
     with pytest.raises(ValueError) as error:
-        interop.load_variables(state, _abstract_init(models.create("rvt_tiny_plus", num_classes=1000), IMAGES_224))
+        interop.load_variables(
+            state, _abstract_init(models.create("rvt_tiny_plus", num_classes=1000), IMAGES_224)
+        )
     message = str(error.value)
-    for part in ("missing (1): transformers.1.blocks.0.mlp.bn2.running_var",
-                 "unexpected (1): pos_embed", "pools.0.conv.weight: (384, 2, 3, 3)"):
+    for part in (
+        "missing (1): transformers.1.blocks.0.mlp.bn2.running_var",
+        "unexpected (1): pos_embed",
+        "pools.0.conv.weight: (384, 2, 3, 3)",
+    ):
         assert part in message
 
 
@@ -79,9 +86,14 @@ def test_reduced_fixture_eval_parity(case):
     variables = interop.init_and_load(model, str(path / "state_dict.npz"))
     ref = np.load(path / "outputs.npz")
     debug = {"patch_embed": "stem", "pools_0": "pool_00", "norm": "features"}
-    forward = jax.jit(functools.partial(
-        model.apply, train=False, mutable=["intermediates"],
-        capture_intermediates=lambda m, _: m.name in debug))
+    forward = jax.jit(
+        functools.partial(
+            model.apply,
+            train=False,
+            mutable=["intermediates"],
+            capture_intermediates=lambda m, _: m.name in debug,
+        )
+    )
     with jax.default_matmul_precision("highest"):
         logits, state = forward(variables, np.load(path / "inputs.npz")["x_nhwc"])
     assert_close(logits, ref["logits"], 1e-4, "logits")
@@ -111,8 +123,9 @@ def rspc_step():
     inputs = np.load(path / "inputs.npz")
     occ_abstract = jax.eval_shape(occ.init, jax.random.PRNGKey(0), inputs["x_nhwc"])
     occ_targets = torch_layout.targets_from_flax(occ_abstract)
-    occ_params = interop.load_checkpoint(str(path / "occlusion_state_dict.npz"),
-                                         occ_abstract)["params"]
+    occ_params = interop.load_checkpoint(str(path / "occlusion_state_dict.npz"), occ_abstract)[
+        "params"
+    ]
     assert config["target_type"] == "soft"
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     setup = dict(model=model, occ_model=occ, rho=rho, lower=lower, upper=upper, ste_clip=1.0)
@@ -120,30 +133,54 @@ def rspc_step():
     scale = config[LOSS_SCALE_KEY]
     with jax.default_matmul_precision("highest"):
         forward = jax.jit(functools.partial(_train_forward, **setup))(variables, occ_params, data)
-        grads = _loss_and_grads(variables, occ_params, data, lam=config["extra_weight"],
-                                grad_scale=1.0, **setup)
-        grads["occ_scaled"] = _scaled_occlusion_grads(occ_params, data[0], grads["mask"],
-                                                      occ_model=occ, rho=rho, scale=scale)
-    return dict(config=config, ref=np.load(path / "outputs.npz"), targets=targets,
-                occ_targets=occ_targets, variables=variables, forward=forward, grads=grads,
-                scale=scale)
+        grads = _loss_and_grads(
+            variables, occ_params, data, lam=config["extra_weight"], grad_scale=1.0, **setup
+        )
+        grads["occ_scaled"] = _scaled_occlusion_grads(
+            occ_params, data[0], grads["mask"], occ_model=occ, rho=rho, scale=scale
+        )
+    return dict(
+        config=config,
+        ref=np.load(path / "outputs.npz"),
+        targets=targets,
+        occ_targets=occ_targets,
+        variables=variables,
+        forward=forward,
+        grads=grads,
+        scale=scale,
+    )
 
 
-def _train_forward(variables, occ_params, data, *, model, occ_model, rho, lower, upper,
-                   ste_clip):
+def _train_forward(variables, occ_params, data, *, model, occ_model, rho, lower, upper, ste_clip):
     """The train-mode forward of rspc_loss, keeping what it does not return."""
     images, _, noise = data
     scores = occ_model.apply({"params": occ_params}, images)
-    corrupted, keep = rspc.corrupt_batch(occ_params, images, noise, occ_model=occ_model,
-                                         rho=rho, ste_clip=ste_clip, grad_scale=1.0,
-                                         lower=lower, upper=upper)
+    corrupted, keep = rspc.corrupt_batch(
+        occ_params,
+        images,
+        noise,
+        occ_model=occ_model,
+        rho=rho,
+        ste_clip=ste_clip,
+        grad_scale=1.0,
+        lower=lower,
+        upper=upper,
+    )
     logits, state = model.apply(
-        variables, jnp.concatenate([corrupted, images]), train=True,
+        variables,
+        jnp.concatenate([corrupted, images]),
+        train=True,
         mutable=["intermediates", "batch_stats"],
-        capture_intermediates=lambda m, _: isinstance(m, nn.BatchNorm))
-    return dict(scores=scores, keep=keep, corrupted=corrupted, logits=logits,
-                blocks=state["intermediates"]["block_outputs"],
-                bn_outputs=state["intermediates"])
+        capture_intermediates=lambda m, _: isinstance(m, nn.BatchNorm),
+    )
+    return dict(
+        scores=scores,
+        keep=keep,
+        corrupted=corrupted,
+        logits=logits,
+        blocks=state["intermediates"]["block_outputs"],
+        bn_outputs=state["intermediates"],
+    )
 
 
 def _loss_and_grads(variables, occ_params, data, *, grad_scale, **kwargs):
@@ -153,13 +190,23 @@ def _loss_and_grads(variables, occ_params, data, *, grad_scale, **kwargs):
     probe = jnp.zeros((images.shape[0], (images.shape[1] // patch) * (images.shape[2] // patch)))
 
     def loss(params, occ, mask_probe):
-        return rspc.rspc_loss(params, occ, variables["batch_stats"], images, targets, noise,
-                              grad_scale=grad_scale, rngs={"dropout": jax.random.PRNGKey(0)},
-                              mask_probe=mask_probe, **kwargs)
+        return rspc.rspc_loss(
+            params,
+            occ,
+            variables["batch_stats"],
+            images,
+            targets,
+            noise,
+            grad_scale=grad_scale,
+            rngs={"dropout": jax.random.PRNGKey(0)},
+            mask_probe=mask_probe,
+            **kwargs,
+        )
 
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
     (total, aux), (params_grad, occ_grad, mask_grad) = grad_fn(
-        variables["params"], occ_params, probe)
+        variables["params"], occ_params, probe
+    )
     return dict(total=total, aux=aux, params=params_grad, occ=occ_grad, mask=mask_grad)
 
 
@@ -167,15 +214,17 @@ def _scaled_occlusion_grads(occ_params, images, mask_grad, *, occ_model, rho, sc
     """C's gradients under rspc_loss(grad_scale=S): S only enters the STE backward (the
     classifier graph does not depend on it), so chain the measured d loss / d mask through
     binarize(grad_scale=S) instead of compiling the whole step a second time."""
-    _, vjp = jax.vjp(lambda p: rspc.binarize(occ_model.apply({"params": p}, images), rho, 1.0,
-                                             scale), occ_params)
+    _, vjp = jax.vjp(
+        lambda p: rspc.binarize(occ_model.apply({"params": p}, images), rho, 1.0, scale), occ_params
+    )
     return vjp(mask_grad)[0]
 
 
 def test_rspc_fixture_corruption_and_train_forward(rspc_step):
     ref, forward = rspc_step["ref"], rspc_step["forward"]
-    assert_close(forward["scores"], ref["patch_scores"], activation_tol(ref["patch_scores"]),
-                  "patch_scores")
+    assert_close(
+        forward["scores"], ref["patch_scores"], activation_tol(ref["patch_scores"]), "patch_scores"
+    )
     np.testing.assert_array_equal(forward["keep"], ref["patch_mask"])
     assert_close(forward["corrupted"].transpose(0, 3, 1, 2), ref["corrupted"], 1e-6, "corrupted")
     corrupted_logits, clean_logits = jnp.split(forward["logits"], 2)
@@ -199,10 +248,8 @@ def test_rspc_fixture_losses(rspc_step):
     # by n_blocks: relative 1e-4 / (n + 1e-4) (3.3e-5 here, 3.5e-5 absolute, above the 1.06e-5
     # tolerance), so compare the official definition. In loss_total it is lam times smaller.
     official_align = result["aux"]["align"] * num_blocks / (num_blocks + 1e-4)
-    assert_close(official_align, ref["loss_align"], 1e-5 * max(1, ref["loss_align"]),
-                  "loss_align")
-    assert_close(result["total"], ref["loss_total"], 1e-5 * max(1, ref["loss_total"]),
-                  "loss_total")
+    assert_close(official_align, ref["loss_align"], 1e-5 * max(1, ref["loss_align"]), "loss_align")
+    assert_close(result["total"], ref["loss_total"], 1e-5 * max(1, ref["loss_total"]), "loss_total")
 
 
 def test_rspc_fixture_gradients(rspc_step):
@@ -210,16 +257,28 @@ def test_rspc_fixture_gradients(rspc_step):
     for name in rspc_step["config"]["grad_params"]:
         target = rspc_step["targets"][name]
         expected = target.rule(ref[f"grad/{name}"])
-        assert_close(_at(result["params"], target.path), expected,
-                      1e-4 * np.abs(expected).max(), f"grad/{name}")
+        assert_close(
+            _at(result["params"], target.path),
+            expected,
+            1e-4 * np.abs(expected).max(),
+            f"grad/{name}",
+        )
     for name, target in rspc_step["occ_targets"].items():
         expected = target.rule(ref[f"occlusion_grad/{name}"])
-        assert_close(_at(result["occ"], target.path), expected,
-                      1e-4 * np.abs(expected).max(), f"occlusion_grad/{name}")
+        assert_close(
+            _at(result["occ"], target.path),
+            expected,
+            1e-4 * np.abs(expected).max(),
+            f"occlusion_grad/{name}",
+        )
     grad_mask = ref["grad_patch_mask"]
     assert_close(result["mask"], grad_mask, 1e-4 * np.abs(grad_mask).max(), "grad_patch_mask")
-    assert_close(np.clip(result["mask"], -1, 1), ref["grad_scores"],
-                  1e-4 * np.abs(ref["grad_scores"]).max(), "grad_scores")
+    assert_close(
+        np.clip(result["mask"], -1, 1),
+        ref["grad_scores"],
+        1e-4 * np.abs(ref["grad_scores"]).max(),
+        "grad_scores",
+    )
 
 
 def test_rspc_fixture_loss_scaled_occlusion_gradients(rspc_step):
@@ -227,8 +286,12 @@ def test_rspc_fixture_loss_scaled_occlusion_gradients(rspc_step):
     ref, scale, result = rspc_step["ref"], rspc_step["scale"], rspc_step["grads"]
     for name, target in rspc_step["occ_targets"].items():
         expected = target.rule(ref[f"occlusion_grad_scaled/{name}"])
-        assert_close(_at(result["occ_scaled"], target.path), expected,
-                      1e-4 * np.abs(expected).max(), f"occlusion_grad_scaled/{name}")
+        assert_close(
+            _at(result["occ_scaled"], target.path),
+            expected,
+            1e-4 * np.abs(expected).max(),
+            f"occlusion_grad_scaled/{name}",
+        )
     scaled = scale * np.asarray(result["mask"])
     expected = ref["grad_patch_mask_scaled"]
     assert_close(scaled, expected, 1e-4 * np.abs(expected).max(), "grad_patch_mask_scaled")
@@ -257,19 +320,21 @@ def test_rspc_fixture_batchnorm_statistics(rspc_step):
             ours = _torch_running_var(np.asarray(_at(before, target.path)), ours, count)
         assert_close(ours, expected, activation_tol(expected), f"bn_after/{name}")
         checked += 1
-    assert checked == sum(k.startswith("bn_after/") and not k.endswith("num_batches_tracked")
-                          for k in ref.files)
+    assert checked == sum(
+        k.startswith("bn_after/") and not k.endswith("num_batches_tracked") for k in ref.files
+    )
 
 
 def _abstract_init(model, images):
-    return jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0),
-                          images)
+    return jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0), images)
 
 
 def _abstract_intermediates(model, images, **kwargs):
-    _, state = jax.eval_shape(functools.partial(
-        model.apply, train=False, mutable=["intermediates"], **kwargs),
-        _abstract_init(model, images), images)
+    _, state = jax.eval_shape(
+        functools.partial(model.apply, train=False, mutable=["intermediates"], **kwargs),
+        _abstract_init(model, images),
+        images,
+    )
     return state["intermediates"]
 
 
@@ -284,20 +349,31 @@ def test_tiny_plus_sows_every_block_in_forward_order():
     assert [b.shape for b in blocks] == [(2, 196, 192)] * 10 + [(2, 49, 384)] * 2
     maps = intermediates["attention_maps"]
     assert [m.shape for m in maps] == [(2, 6, 196, 196)] * 10 + [(2, 12, 49, 49)] * 2
-    paas = {k[:2] for k in flax.traverse_util.flatten_dict(
-        _abstract_init(model, IMAGES_224)["params"]) if k[-1] == "att_mask"}
+    paas = {
+        k[:2]
+        for k in flax.traverse_util.flatten_dict(_abstract_init(model, IMAGES_224)["params"])
+        if k[-1] == "att_mask"
+    }
     assert paas == {("transformers_0", f"blocks_{i}") for i in range(10)}
 
 
 def test_paas_mask_follows_the_init_size_and_rejects_another():
     images_256 = jax.ShapeDtypeStruct((2, 256, 256, 3), jnp.float32)
     model = models.create("rvt_tiny_plus", num_classes=10)
-    masks = {v.shape for k, v in flax.traverse_util.flatten_dict(
-        _abstract_init(model, images_256)["params"]).items() if k[-1] == "att_mask"}
+    masks = {
+        v.shape
+        for k, v in flax.traverse_util.flatten_dict(
+            _abstract_init(model, images_256)["params"]
+        ).items()
+        if k[-1] == "att_mask"
+    }
     assert masks == {(6, 256, 256)}
     variables_224 = _abstract_init(model, IMAGES_224)
-    with pytest.raises(ValueError, match=r"att_mask \(6, 196, 196\) was made for 196 tokens, "
-                                         r"the input has 256.*init_resize"):
+    with pytest.raises(
+        ValueError,
+        match=r"att_mask \(6, 196, 196\) was made for 196 tokens, "
+        r"the input has 256.*init_resize",
+    ):
         jax.eval_shape(functools.partial(model.apply, train=False), variables_224, images_256)
     blocks = _abstract_block_outputs(models.create("rvt_tiny", num_classes=10), images_256)
     assert [b.shape for b in blocks] == [(2, 256, 192)] * 10 + [(2, 64, 384)] * 2
@@ -314,10 +390,12 @@ def micro():
     images = jax.random.normal(jax.random.PRNGKey(0), (4, 64, 64, 3))
     abstract = _abstract_init(_micro_rvt(), images)
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: rng.normal(0, 0.5, s.shape).astype(np.float32),
-                          abstract["params"])
-    stats = jax.tree.map(lambda s: rng.uniform(0.5, 1.5, s.shape).astype(np.float32),
-                         abstract["batch_stats"])
+    params = jax.tree.map(
+        lambda s: rng.normal(0, 0.5, s.shape).astype(np.float32), abstract["params"]
+    )
+    stats = jax.tree.map(
+        lambda s: rng.uniform(0.5, 1.5, s.shape).astype(np.float32), abstract["batch_stats"]
+    )
     return {"params": params, "batch_stats": stats}, images
 
 
@@ -327,8 +405,13 @@ def test_stochastic_depth_follows_the_dropout_rng_and_is_off_in_eval(micro):
 
     @jax.jit
     def train_logits(seed):
-        logits, _ = model.apply(variables, images, train=True, mutable=["batch_stats"],
-                                rngs={"dropout": jax.random.PRNGKey(seed)})
+        logits, _ = model.apply(
+            variables,
+            images,
+            train=True,
+            mutable=["batch_stats"],
+            rngs={"dropout": jax.random.PRNGKey(seed)},
+        )
         return logits
 
     np.testing.assert_array_equal(train_logits(0), train_logits(0))
@@ -346,6 +429,7 @@ def test_cross_device_batchnorm_averages_statistics_over_the_axis(micro):
     whole = jax.jit(functools.partial(batch_stats, _micro_rvt()))(images)
     sharded = _micro_rvt(bn_axis_name="data")
     split = jax.jit(jax.vmap(functools.partial(batch_stats, sharded), axis_name="data"))(
-        images.reshape(2, 2, *images.shape[1:]))
+        images.reshape(2, 2, *images.shape[1:])
+    )
     for ours, expected in zip(jax.tree.leaves(split), jax.tree.leaves(whole)):
         np.testing.assert_allclose(ours[0], expected, rtol=1e-5, atol=1e-6)

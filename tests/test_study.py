@@ -5,7 +5,7 @@ trains nothing again."""
 import importlib.util
 import json
 
-from rspc_jax import study_runner
+from rspc_jax.tools import study as study_runner
 from tests.conftest import REPO
 
 
@@ -23,16 +23,28 @@ def test_smoke_study_writes_results_and_figures(digits_data_dir, tmp_path):
     path = study_runner.run_study(config, str(tmp_path), command="smoke")
     results = (tmp_path / "results.md").read_text()
     assert path == str(tmp_path / "results.md")
-    for metric in ("clean accuracy", "occluded accuracy, mean over masks",
-                   "occluded accuracy, worst mask", "attention Cos-Sim, mean",
-                   "attention Cos-Sim, block 1", "corrupted accuracy, noise",
-                   "corrupted accuracy, weather", "corrupted accuracy, mean", "PGD accuracy"):
+    for metric in (
+        "clean accuracy",
+        "occluded accuracy, mean over masks",
+        "occluded accuracy, worst mask",
+        "attention Cos-Sim, mean",
+        "attention Cos-Sim, block 1",
+        "corrupted accuracy, noise",
+        "corrupted accuracy, weather",
+        "corrupted accuracy, mean",
+        "PGD accuracy",
+    ):
         row = next(line for line in results.splitlines() if line.startswith(f"| {metric} |"))
         assert "—" not in row, row
     assert "| plain (no RSPC) | RSPC |" in results
     assert "- occluded accuracy, mean over masks: " in results
-    for name in ("occlusion_boxplots.png", "cos_sim_histograms.png", "clean_attention_maps_0.png",
-                 "rspc_attention_maps_0.png", "rspc_learned_masks.png"):
+    for name in (
+        "occlusion_boxplots.png",
+        "cos_sim_histograms.png",
+        "clean_attention_maps_0.png",
+        "rspc_attention_maps_0.png",
+        "rspc_learned_masks.png",
+    ):
         assert (tmp_path / "figures" / name).stat().st_size > 0, name
         assert f"figures/{name}" in results
     record = json.loads((tmp_path / "runs" / "rspc_s0" / "study_run.json").read_text())

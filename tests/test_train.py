@@ -11,20 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import input_pipeline
-from rspc_jax import mixup
-from rspc_jax import parallel
-from rspc_jax import rspc
-from rspc_jax import train
-from rspc_jax import train_step as train_step_lib
+from rspc_jax import parallel, rspc
+from rspc_jax.data import specs as datasets
+from rspc_jax.data import train as train_data
+from rspc_jax.training import loop as train
+from rspc_jax.training import mixup, setup
+from rspc_jax.training import step as train_step_lib
 from tests.conftest import REPO, run_python, smoke_config
 
 
 def _fixed_batch(config):
-    batches = input_pipeline.train_iterator(
-        dataset=config.dataset, data_dir=config.data_dir, split="train",
-        image_size=config.image_size, local_batch_size=config.batch_size, seed=0,
-        augment="none")
+    batches = train_data.train_iterator(
+        dataset=config.dataset,
+        data_dir=config.data_dir,
+        split="train",
+        image_size=config.image_size,
+        local_batch_size=config.batch_size,
+        seed=0,
+        augment="none",
+    )
     return next(batches)
 
 
@@ -35,20 +40,39 @@ def _loss_at(config, parts_model, state, batch, params, occ_params, occ_model, r
     noise = rspc.uniform_noise(noise_rng, jnp.arange(images.shape[0]), images.shape[1:])
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     targets = mixup.one_hot_smoothed(batch["label"], 10, config.label_smoothing)
-    return rspc.rspc_loss(params, occ_params, state.batch_stats, images, targets, noise,
-                          model=parts_model, occ_model=occ_model, rho=rho, lam=config.rspc.lam,
-                          ste_clip=1.0, grad_scale=config.rspc.occ_grad_scale, lower=lower,
-                          upper=upper, rngs={})
+    return rspc.rspc_loss(
+        params,
+        occ_params,
+        state.batch_stats,
+        images,
+        targets,
+        noise,
+        model=parts_model,
+        occ_model=occ_model,
+        rho=rho,
+        lam=config.rspc.lam,
+        ste_clip=1.0,
+        grad_scale=config.rspc.occ_grad_scale,
+        lower=lower,
+        upper=upper,
+        rngs={},
+    )
 
 
 def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digits_data_dir):
-    config = smoke_config(digits_data_dir, **{
-        "optimizer.warmup_epochs": 0.0, "rspc.optimizer.weight_decay": 0.0,
-        "rspc.optimizer.lr": 0.05, "model.drop_path_rate": 0.0})
-    spec = input_pipeline.dataset_spec(config.dataset)
-    model = train.build_model(config, spec.num_classes)
+    config = smoke_config(
+        digits_data_dir,
+        **{
+            "optimizer.warmup_epochs": 0.0,
+            "rspc.optimizer.weight_decay": 0.0,
+            "rspc.optimizer.lr": 0.05,
+            "model.drop_path_rate": 0.0,
+        },
+    )
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
     mesh = parallel.create_mesh()
-    parts = train.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
+    parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
     state = parts.init(jax.random.PRNGKey(0))
     batch = _fixed_batch(config)
     occ_model = rspc.PatchCorruptionModel(model.patch_size)
@@ -57,7 +81,8 @@ def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digit
     before_total, before = loss_at(state.params, state.occ_params)
     occ_grad = jax.grad(lambda p: loss_at(state.params, p)[0])(state.occ_params)
     new_state, metrics = parts.train_step(
-        jax.tree.map(jnp.copy, state), parallel.to_global(batch, mesh))
+        jax.tree.map(jnp.copy, state), parallel.to_global(batch, mesh)
+    )
 
     # The corruption model moves along its (STE) gradient: first-order change > 0 ...
     delta = jax.tree.map(jnp.subtract, new_state.occ_params, state.occ_params)
@@ -73,11 +98,11 @@ def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digit
 
 
 def test_resume_is_bitwise_equal_to_an_uninterrupted_run(digits_data_dir, tmp_path, capsys):
-    config = smoke_config(digits_data_dir, total_steps=6, checkpoint_every_steps=100,
-                          ema_decay=0.9)
+    config = smoke_config(digits_data_dir, total_steps=6, checkpoint_every_steps=100, ema_decay=0.9)
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
-    first = train.train_and_evaluate(config, str(tmp_path / "resumed"),
-                                     should_stop=lambda step: step == 3)
+    first = train.train_and_evaluate(
+        config, str(tmp_path / "resumed"), should_stop=lambda step: step == 3
+    )
     assert first["step"] == 3
     capsys.readouterr()
     resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
@@ -94,23 +119,34 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(digits_data_dir, tmp_pa
 def _compile_counter():
     events = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *_, **__: events.append(name) if "compile" in name else None)
+        lambda name, *_, **__: events.append(name) if "compile" in name else None
+    )
     return events
 
 
-@pytest.mark.parametrize("overrides,error,match", [
-    ({"model_name": "deit_smal"}, ValueError, "unknown model 'deit_smal'.*Registered models"),
-    ({"rspc.rho": 1.5}, ValueError, r"ratio rho must lie in \(0, 1\)"),
-    ({"rspc.rho": 0.0}, ValueError, r"ratio rho must lie in \(0, 1\)"),
-    ({"image_size": 30}, ValueError, "image_size 30 is not divisible by the model patch_size 8"),
-    ({"rspc.patch_size": 7}, ValueError, "not divisible by the rspc.patch_size 7"),
-    ({"rspc.noise_space": "raw"}, ValueError, "rspc.noise_space"),
-    ({"model.depth_typo": 3}, ValueError, "bad override for model 'vit_demo'"),
-    ({"dataset": "cifar10"}, input_pipeline.DatasetNotFoundError, "tfds build cifar10"),
-    ({"init_from": "/nonexistent/rvt.pth.tar"}, FileNotFoundError,
-     "config.init_from: checkpoint /nonexistent/rvt.pth.tar does not exist"),
-    ({"init_head": "resize"}, ValueError, "config.init_head='resize' is not one of"),
-])
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        ({"model_name": "deit_smal"}, ValueError, "unknown model 'deit_smal'.*Registered models"),
+        ({"rspc.rho": 1.5}, ValueError, r"ratio rho must lie in \(0, 1\)"),
+        ({"rspc.rho": 0.0}, ValueError, r"ratio rho must lie in \(0, 1\)"),
+        (
+            {"image_size": 30},
+            ValueError,
+            "image_size 30 is not divisible by the model patch_size 8",
+        ),
+        ({"rspc.patch_size": 7}, ValueError, "not divisible by the rspc.patch_size 7"),
+        ({"rspc.noise_space": "raw"}, ValueError, "rspc.noise_space"),
+        ({"model.depth_typo": 3}, ValueError, "bad override for model 'vit_demo'"),
+        ({"dataset": "cifar10"}, datasets.DatasetNotFoundError, "tfds build cifar10"),
+        (
+            {"init_from": "/nonexistent/rvt.pth.tar"},
+            FileNotFoundError,
+            "config.init_from: checkpoint /nonexistent/rvt.pth.tar does not exist",
+        ),
+        ({"init_head": "resize"}, ValueError, "config.init_head='resize' is not one of"),
+    ],
+)
 def test_bad_input_fails_before_any_compile(digits_data_dir, tmp_path, overrides, error, match):
     config = smoke_config(digits_data_dir, **overrides)
     if overrides.get("dataset") == "cifar10":
@@ -124,8 +160,9 @@ def test_bad_input_fails_before_any_compile(digits_data_dir, tmp_path, overrides
 
 
 def test_non_finite_loss_stops_with_the_step_and_saves_nothing(digits_data_dir, tmp_path):
-    config = smoke_config(digits_data_dir, **{"optimizer.lr": 1e12, "total_steps": 4,
-                                              "checkpoint_every_steps": 100})
+    config = smoke_config(
+        digits_data_dir, **{"optimizer.lr": 1e12, "total_steps": 4, "checkpoint_every_steps": 100}
+    )
     with pytest.raises(FloatingPointError, match=r"non-finite loss .* at step \d"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not os.listdir(tmp_path / "run" / "checkpoints")
@@ -145,12 +182,20 @@ def test_demo_smoke_end_to_end_through_main(demo_run):
 
 def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir, tmp_path):
     workdir = tmp_path / "run"
-    command = [sys.executable, "-m", "rspc_jax.main", "--config=configs/demo.py:smoke",
-               f"--workdir={workdir}", f"--config.data_dir={digits_data_dir}",
-               "--config.total_steps=100000", "--config.checkpoint_every_steps=100000"]
+    command = [
+        sys.executable,
+        "-m",
+        "rspc_jax.main",
+        "--config=configs/demo.py:smoke",
+        f"--workdir={workdir}",
+        f"--config.data_dir={digits_data_dir}",
+        "--config.total_steps=100000",
+        "--config.checkpoint_every_steps=100000",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         for line in proc.stdout:
             if line.startswith("[train] step 4/"):
@@ -170,18 +215,22 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir,
 
 
 def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data_dir):
-    spec = input_pipeline.dataset_spec("sklearn_digits")
-    official = train.step_settings(smoke_config(digits_data_dir), spec)
-    assert official.noise_mean == (0.0,) and official.noise_std == (1.0,)  # U[0,1) as normalised values
+    spec = datasets.dataset_spec("sklearn_digits")
+    official = setup.step_settings(smoke_config(digits_data_dir), spec)
+    assert official.noise_mean == (0.0,) and official.noise_std == (
+        1.0,
+    )  # U[0,1) as normalised values
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     np.testing.assert_allclose(official.clamp_lower, lower)  # ImageNet limits even off ImageNet
     np.testing.assert_allclose(official.clamp_upper, upper)
-    pixel = train.step_settings(smoke_config(digits_data_dir, **{
-        "rspc.noise_space": "pixel", "rspc.clamp": "dataset"}), spec)
+    pixel = setup.step_settings(
+        smoke_config(digits_data_dir, **{"rspc.noise_space": "pixel", "rspc.clamp": "dataset"}),
+        spec,
+    )
     # Pixel-space U[0,1) noise, normalised with the dataset's statistics.
     assert pixel.noise_mean == spec.mean and pixel.noise_std == spec.std
     np.testing.assert_allclose(pixel.clamp_lower, (0 - np.array(spec.mean)) / spec.std, rtol=1e-6)
-    unclamped = train.step_settings(smoke_config(digits_data_dir, **{"rspc.clamp": "none"}), spec)
+    unclamped = setup.step_settings(smoke_config(digits_data_dir, **{"rspc.clamp": "none"}), spec)
     assert unclamped.clamp_lower is None and unclamped.clamp_upper is None
-    identity = train.step_settings(smoke_config(digits_data_dir, **{"rspc.ste": "identity"}), spec)
+    identity = setup.step_settings(smoke_config(digits_data_dir, **{"rspc.ste": "identity"}), spec)
     assert identity.ste_clip is None and official.ste_clip == 1.0

@@ -14,8 +14,9 @@ from rspc_jax.models import interventions
 from tests.conftest import FIXTURES
 
 
-@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit_small_patch16_224",
-                                  "deit_base_patch16_224"])
+@pytest.mark.parametrize(
+    "name", ["deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_patch16_224"]
+)
 def test_deit_parameter_count_equals_timm(name):
     path = FIXTURES.parent / "torch_keys" / "params.json"
     if not path.is_file():
@@ -23,20 +24,23 @@ def test_deit_parameter_count_equals_timm(name):
     expected = json.loads(path.read_text())["models"][name]["num_parameters"]
     model = models.create(name, num_classes=1000)
     images = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
-    params = jax.eval_shape(functools.partial(model.init, train=False), jax.random.PRNGKey(0),
-                            images)["params"]
+    params = jax.eval_shape(
+        functools.partial(model.init, train=False), jax.random.PRNGKey(0), images
+    )["params"]
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params)) == expected
 
 
 def _tiny_vit(**overrides):
-    return models.create("vit_tiny", num_classes=5, width=32, depth=3, num_heads=2,
-                         patch_size=8, **overrides)
+    return models.create(
+        "vit_tiny", num_classes=5, width=32, depth=3, num_heads=2, patch_size=8, **overrides
+    )
 
 
 def _loss_and_state(model, params, images, **kwargs):
     def loss(p):
         logits, state = model.apply({"params": p}, images, mutable=["intermediates"], **kwargs)
-        return jnp.sum(logits ** 2), (logits, state["intermediates"])
+        return jnp.sum(logits**2), (logits, state["intermediates"])
+
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
@@ -47,8 +51,9 @@ def test_scanned_blocks_equal_unrolled_outputs_sown_features_and_gradients(remat
     unrolled, scanned = _tiny_vit(), _tiny_vit(scan_blocks=True, remat=remat)
     params = unrolled.init(jax.random.PRNGKey(0), images, train=False)["params"]
     # Init runs the unrolled blocks, so both store the same per-block tree.
-    assert jax.tree.structure(scanned.init(jax.random.PRNGKey(0), images, train=False)) == \
-        jax.tree.structure({"params": params})
+    assert jax.tree.structure(
+        scanned.init(jax.random.PRNGKey(0), images, train=False)
+    ) == jax.tree.structure({"params": params})
     for kwargs in (dict(train=False, sow_attention=True), dict(train=False, token_keep=keep)):
         (loss, (logits, sown)), grads = _loss_and_state(unrolled, params, images, **kwargs)
         (s_loss, (s_logits, s_sown)), s_grads = _loss_and_state(scanned, params, images, **kwargs)
@@ -65,24 +70,31 @@ def test_scanned_blocks_drop_path_per_block_rate_and_refused_interventions():
     scanned = _tiny_vit(scan_blocks=True, drop_path_rate=0.5)
     params = scanned.init(jax.random.PRNGKey(0), images[:1], train=False)["params"]
     rngs = {"dropout": jax.random.PRNGKey(3)}
-    _, sown = scanned.apply({"params": params}, images, train=True, rngs=rngs,
-                            mutable=["intermediates"])
-    _, eval_sown = scanned.apply({"params": params}, images, train=False,
-                                 mutable=["intermediates"])
+    _, sown = scanned.apply(
+        {"params": params}, images, train=True, rngs=rngs, mutable=["intermediates"]
+    )
+    _, eval_sown = scanned.apply({"params": params}, images, train=False, mutable=["intermediates"])
     first, second = (np.asarray(sown["intermediates"]["block_outputs"][i]) for i in (0, 1))
     # Block 0's rate is 0: it matches the eval pass; block 1's (0.25) drops or rescales
     # its branches, the same way for the same key and another way for another key.
-    eval_first, eval_second = (np.asarray(eval_sown["intermediates"]["block_outputs"][i])
-                               for i in (0, 1))
+    eval_first, eval_second = (
+        np.asarray(eval_sown["intermediates"]["block_outputs"][i]) for i in (0, 1)
+    )
     np.testing.assert_allclose(first, eval_first, rtol=1e-5, atol=1e-6)
     assert not np.allclose(second, eval_second, rtol=1e-3, atol=1e-4)
 
     def second_block(key):
-        return scanned.apply({"params": params}, images, train=True, rngs={"dropout": key},
-                             mutable=["intermediates"])[1]["intermediates"]["block_outputs"][1]
+        return scanned.apply(
+            {"params": params}, images, train=True, rngs={"dropout": key}, mutable=["intermediates"]
+        )[1]["intermediates"]["block_outputs"][1]
+
     np.testing.assert_array_equal(second_block(rngs["dropout"]), second)
     assert not np.allclose(second_block(jax.random.PRNGKey(4)), second, rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="scan_blocks=False"):
-        interventions.apply(scanned, {"params": params}, images[:1],
-                            interventions.Intervention(keep=interventions.keep_all(3)),
-                            train=False)
+        interventions.apply(
+            scanned,
+            {"params": params},
+            images[:1],
+            interventions.Intervention(keep=interventions.keep_all(3)),
+            train=False,
+        )

@@ -10,19 +10,21 @@ import numpy as np
 import pytest
 
 from rspc_jax import models
-from rspc_jax import torch_layout
+from rspc_jax.interop import layout as torch_layout
 from rspc_jax.models import xcit
-from tests.conftest import FIXTURES, torch_keys_manifest
+from tests.conftest import REPO, torch_keys_manifest
 
-MANIFESTS = ("xcit_nano_12_p16_224", "xcit_tiny_12_p16_224", "xcit_small_12_p16_224",
-             "xcit_medium_24_p16_224")
+MANIFESTS = (
+    "xcit_nano_12_p16_224",
+    "xcit_tiny_12_p16_224",
+    "xcit_small_12_p16_224",
+    "xcit_medium_24_p16_224",
+)
 
 
 def _reference_counts() -> dict[str, int]:
-    """The XCiT rows of architectures.md §3.1: | `name` | ... | params | entries |."""
-    path = FIXTURES.parent / "architectures.md"
-    if not path.is_file():
-        pytest.skip(f"{path} is not available")
+    """The XCiT rows of docs/architectures.md, "XCiT variants": | `name` | ... | params | entries |."""
+    path = REPO / "docs" / "architectures.md"
     rows = re.findall(r"^\| `(xcit_\w+)` \|.*\| ([\d,]+) \| \d+ \|$", path.read_text(), re.M)
     return {name: int(count.replace(",", "")) for name, count in rows}
 
@@ -47,8 +49,19 @@ def test_thesis_m12_and_l12_are_the_24_layer_models_cut_to_12_blocks():
         block = (_param_count(deep) - _param_count(shallow)) / 12
         dim = deep.embed_dim
         # gammas, 3 LayerNorms, XCA (temperature, qkv, proj), LPI (2 dw convs, BN), MLP
-        expected = (3 * dim + 6 * dim + deep.num_heads + 3 * dim * dim + 3 * dim + dim * dim
-                    + dim + 2 * (9 * dim + dim) + 2 * dim + 8 * dim * dim + 5 * dim)
+        expected = (
+            3 * dim
+            + 6 * dim
+            + deep.num_heads
+            + 3 * dim * dim
+            + 3 * dim
+            + dim * dim
+            + dim
+            + 2 * (9 * dim + dim)
+            + 2 * dim
+            + 8 * dim * dim
+            + 5 * dim
+        )
         assert block == expected and shallow.eta == 1.0 and shallow.depth == 12
 
 
@@ -56,18 +69,19 @@ def test_thesis_m12_and_l12_are_the_24_layer_models_cut_to_12_blocks():
 def test_full_size_state_dict_keys_and_shapes_match_timm(name):
     entries = torch_keys_manifest(name)["entries"]
     state = {key: np.broadcast_to(np.zeros((), dtype), shape) for key, shape, dtype in entries}
-    torch_layout.check_state_dict(state, torch_layout.model_targets(
-        models.create(name, num_classes=1000)))
+    torch_layout.check_state_dict(
+        state, torch_layout.model_targets(models.create(name, num_classes=1000))
+    )
 
 
 def _timm_xca(x, qkv_w, qkv_b, proj_w, proj_b, temperature, heads):
     """timm `XCA.forward` step by step, with its permutes, in NumPy (float64)."""
     batch, tokens, dim = x.shape
     qkv = (x @ qkv_w.T + qkv_b).reshape(batch, tokens, 3, heads, dim // heads)
-    q, k, v = qkv.transpose(2, 0, 3, 4, 1)                     # (B, h, d, N) each
+    q, k, v = qkv.transpose(2, 0, 3, 4, 1)  # (B, h, d, N) each
     q = q / np.maximum(np.linalg.norm(q, axis=-1, keepdims=True), 1e-12)
     k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), 1e-12)
-    attn = (q @ k.transpose(0, 1, 3, 2)) * temperature          # (B, h, d, d)
+    attn = (q @ k.transpose(0, 1, 3, 2)) * temperature  # (B, h, d, d)
     attn = np.exp(attn - attn.max(-1, keepdims=True))
     attn /= attn.sum(-1, keepdims=True)
     out = (attn @ v).transpose(0, 3, 1, 2).reshape(batch, tokens, dim)
@@ -78,12 +92,18 @@ def test_cross_covariance_attention_matches_timm():
     rng = np.random.default_rng(0)
     batch, tokens, dim, heads = 2, 10, 12, 3
     x = rng.normal(size=(batch, tokens, dim))
-    weights = dict(qkv_w=rng.normal(size=(3 * dim, dim)) * 0.3, qkv_b=rng.normal(size=3 * dim),
-                   proj_w=rng.normal(size=(dim, dim)) * 0.3, proj_b=rng.normal(size=dim),
-                   temperature=rng.uniform(0.5, 2.0, size=(heads, 1, 1)))
-    params = {"temperature": weights["temperature"],
-              "qkv": {"kernel": weights["qkv_w"].T, "bias": weights["qkv_b"]},
-              "proj": {"kernel": weights["proj_w"].T, "bias": weights["proj_b"]}}
+    weights = dict(
+        qkv_w=rng.normal(size=(3 * dim, dim)) * 0.3,
+        qkv_b=rng.normal(size=3 * dim),
+        proj_w=rng.normal(size=(dim, dim)) * 0.3,
+        proj_b=rng.normal(size=dim),
+        temperature=rng.uniform(0.5, 2.0, size=(heads, 1, 1)),
+    )
+    params = {
+        "temperature": weights["temperature"],
+        "qkv": {"kernel": weights["qkv_w"].T, "bias": weights["qkv_b"]},
+        "proj": {"kernel": weights["proj_w"].T, "bias": weights["proj_b"]},
+    }
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
     with jax.default_matmul_precision("highest"):
         out, attn = xcit.XCA(heads).apply({"params": params}, jnp.asarray(x, jnp.float32))
@@ -94,11 +114,14 @@ def test_cross_covariance_attention_matches_timm():
 
 def _sown(model, image_size):
     images = jax.ShapeDtypeStruct((2, image_size, image_size, 3), jnp.float32)
-    variables = jax.eval_shape(functools.partial(model.init, train=False),
-                               jax.random.PRNGKey(0), images)
-    logits, state = jax.eval_shape(functools.partial(
-        model.apply, train=False, mutable=["intermediates"], sow_attention=True),
-        variables, images)
+    variables = jax.eval_shape(
+        functools.partial(model.init, train=False), jax.random.PRNGKey(0), images
+    )
+    logits, state = jax.eval_shape(
+        functools.partial(model.apply, train=False, mutable=["intermediates"], sow_attention=True),
+        variables,
+        images,
+    )
     return logits, state["intermediates"], variables
 
 
@@ -117,7 +140,8 @@ def test_patch_4_reuses_the_patch_16_weights_on_32px_inputs():
     p4 = models.create("xcit_tiny_12_p16_224", num_classes=10, patch_size=4)
     _, sown, variables = _sown(p4, 32)
     assert sown["block_outputs"][0].shape == (2, 64, 192)
-    assert (jax.tree.map(lambda a: a.shape, variables)
-            == jax.tree.map(lambda a: a.shape, _sown(p16, 224)[2]))
+    assert jax.tree.map(lambda a: a.shape, variables) == jax.tree.map(
+        lambda a: a.shape, _sown(p16, 224)[2]
+    )
     with pytest.raises(ValueError, match="patch sizes \\[4, 8, 16\\], got 2"):
         _sown(models.create("xcit_tiny_12_p16_224", num_classes=10, patch_size=2), 32)

@@ -13,21 +13,21 @@ import json
 import os
 import sys
 
+import jax
+import numpy as np
 import timm  # before tensorflow (imported by rspc_jax): see test_interop
 import torch
 
-import jax
-import numpy as np
-
-from rspc_jax import interop
 from rspc_jax import models
+from rspc_jax.interop import state_dicts as interop
 
 BATCH = 2
 
 
 def perturbed_jax(model, seed=0):
     variables = jax.jit(functools.partial(model.init, train=False))(
-        jax.random.PRNGKey(seed), np.zeros((1, 224, 224, 3), np.float32))
+        jax.random.PRNGKey(seed), np.zeros((1, 224, 224, 3), np.float32)
+    )
     rng = np.random.default_rng(seed + 1)
 
     def move(path, leaf):  # BatchNorm variances stay positive
@@ -35,7 +35,8 @@ def perturbed_jax(model, seed=0):
         return leaf + (np.abs(noise) if path[-1].key == "var" else noise)
 
     return jax.tree_util.tree_map_with_path(
-        move, {c: variables[c] for c in ("params", "batch_stats") if c in variables})
+        move, {c: variables[c] for c in ("params", "batch_stats") if c in variables}
+    )
 
 
 def perturbed_timm(name):
@@ -71,8 +72,11 @@ def max_errors(name: str, out_dir: str, images: np.ndarray) -> dict:
     torch.save(source.state_dict(), path)
     imported = interop.load_checkpoint(path, ours)
     timm_to_jax = float(np.abs(np.asarray(forward(imported, images)) - expected).max())
-    return {"jax_to_timm": jax_to_timm, "timm_to_jax": timm_to_jax,
-            "max_abs_logit": max(largest, float(np.abs(expected).max()))}
+    return {
+        "jax_to_timm": jax_to_timm,
+        "timm_to_jax": timm_to_jax,
+        "max_abs_logit": max(largest, float(np.abs(expected).max())),
+    }
 
 
 def main(out_dir: str, *names: str) -> None:

@@ -1,5 +1,5 @@
 """White-box L-inf attacks in pure JAX: FGSM and PGD (RSPC's settings), APGD, an
-AutoAttack-style APGD cascade and Patch-Fool (reference: eval-protocols.md sections 6-7).
+AutoAttack-style APGD cascade and Patch-Fool (docs/evaluation.md, "Attacks").
 
 Every attack takes a batch in pixel space [0, 1]; normalisation belongs inside the model
 function. Examples are attacked independently (per-example losses are summed, never
@@ -9,7 +9,8 @@ attack is jittable, e.g.
 ``jax.jit(functools.partial(pgd, logits_fn, eps=8 / 255, step_size=2 / 255, steps=5))``.
 """
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,12 @@ import optax
 LogitsFn = Callable[[jax.Array], jax.Array]
 LogitsAndAttentionFn = Callable[[jax.Array], tuple]
 
-DLR_EPS = 1e-12        # denominator guard of both DLR losses (section 6.1)
-APGD_MOMENTUM = 0.75   # hard-coded in APGD, distinct from the oscillation threshold rho (6.3)
+DLR_EPS = 1e-12  # denominator guard of both DLR losses ("Attacks: AutoAttack and the DLR losses")
+APGD_MOMENTUM = 0.75  # hard-coded in APGD, distinct from the oscillation threshold rho ("Attacks: APGD step by step")
 
 
-# ----- losses (section 6.1) -------------------------------------------------------------
+# ----- losses ("Attacks: AutoAttack and the DLR losses") -------------------------------------------------------------
+
 
 def cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
     """Per-example cross-entropy, (B,)."""
@@ -35,7 +37,7 @@ def _label_logit(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 def dlr_loss(logits: jax.Array, y: jax.Array) -> jax.Array:
     """Per-example DLR loss -(z_y - max_{i!=y} z_i) / (z_pi1 - z_pi3 + 1e-12), pi = logits
-    sorted descending (section 6.1); needs at least 3 classes."""
+    sorted descending ("Attacks: AutoAttack and the DLR losses"); needs at least 3 classes."""
     top, top_index = jax.lax.top_k(logits, 3)
     best_other = jnp.where(top_index[:, 0] == y, top[:, 1], top[:, 0])
     return -(_label_logit(logits, y) - best_other) / (top[:, 0] - top[:, 2] + DLR_EPS)
@@ -43,13 +45,14 @@ def dlr_loss(logits: jax.Array, y: jax.Array) -> jax.Array:
 
 def dlr_targeted_loss(logits: jax.Array, y: jax.Array, y_target: jax.Array) -> jax.Array:
     """Per-example targeted DLR loss -(z_y - z_t) / (z_pi1 - (z_pi3 + z_pi4) / 2 + 1e-12)
-    (section 6.1); needs at least 4 classes."""
+    ("Attacks: AutoAttack and the DLR losses"); needs at least 4 classes."""
     top, _ = jax.lax.top_k(logits, 4)
     margin = _label_logit(logits, y) - _label_logit(logits, y_target)
     return -margin / (top[:, 0] - 0.5 * (top[:, 2] + top[:, 3]) + DLR_EPS)
 
 
 # ----- shared helpers -------------------------------------------------------------------
+
 
 def project_linf(x_adv: jax.Array, x: jax.Array, eps: float) -> jax.Array:
     """Clip to the L-inf eps-ball around x, then to the pixel range [0, 1]."""
@@ -74,6 +77,7 @@ def _at_least_float32(values: jax.Array) -> jax.Array:
 def _losses_logits_grad(logits_fn: LogitsFn, loss_fn, x_adv: jax.Array, y: jax.Array):
     """Per-example losses, the logits and the gradient of the summed loss, i.e. every
     example's own gradient."""
+
     def total(x_adv):
         logits = _at_least_float32(logits_fn(x_adv))
         losses = loss_fn(logits, y)
@@ -87,11 +91,21 @@ def _misclassified(logits: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1) != y
 
 
-# ----- FGSM / PGD (section 6.4) ---------------------------------------------------------
+# ----- FGSM / PGD ("Attacks: FGSM and PGD") ---------------------------------------------------------
 
-def pgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: Optional[jax.Array], *,
-        eps: float, step_size: float, steps: int, random_start: bool = True) -> jax.Array:
-    """L-inf PGD on CE as RSPC's `--pgd_test` (section 6.4; RSPC: eps 8/255, step 2/255,
+
+def pgd(
+    logits_fn: LogitsFn,
+    x: jax.Array,
+    y: jax.Array,
+    rng: jax.Array | None,
+    *,
+    eps: float,
+    step_size: float,
+    steps: int,
+    random_start: bool = True,
+) -> jax.Array:
+    """L-inf PGD on CE as RSPC's `--pgd_test` ("Attacks: FGSM and PGD"; RSPC: eps 8/255, step 2/255,
     5 steps): optional uniform start in [-eps, eps] clipped to [0, 1], then sign-gradient
     steps, each projected to the eps-ball and [0, 1]. Returns the last iterate (no early
     stop, no best-iterate tracking, as RSPC). `rng` is only used for the random start."""
@@ -108,15 +122,16 @@ def pgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: Optional[jax.Array
 
 def fgsm(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, *, eps: float) -> jax.Array:
     """One sign-gradient CE step of size eps from the clean input, as RSPC's
-    `--fgsm_test` (= its PGD routine with 1 step and no random start; section 6.4)."""
+    `--fgsm_test` (= its PGD routine with 1 step and no random start; "Attacks: FGSM and PGD")."""
     return pgd(logits_fn, x, y, None, eps=eps, step_size=eps, steps=1, random_start=False)
 
 
-# ----- APGD (section 6.3) ---------------------------------------------------------------
+# ----- APGD ("Attacks: APGD step by step") ---------------------------------------------------------------
+
 
 def _apgd_schedule(n_iter: int) -> list:
     """(0-based iteration, window length k) of every APGD checkpoint: the first window is
-    n_iter_2 long, each next one size_decr shorter but at least n_iter_min (6.3 step 1)."""
+    n_iter_2 long, each next one size_decr shorter but at least n_iter_min ("Attacks: APGD step by step", step 1)."""
     n_iter_2 = max(int(0.22 * n_iter), 1)
     n_iter_min = max(int(0.06 * n_iter), 1)
     size_decr = max(int(0.03 * n_iter), 1)
@@ -129,12 +144,12 @@ def _apgd_schedule(n_iter: int) -> list:
 
 
 def apgd_checkpoints(n_iter: int) -> list:
-    """The 0-based iterations after which APGD checks its step size (6.3 step 1);
+    """The 0-based iterations after which APGD checks its step size ("Attacks: APGD step by step", step 1);
     for n_iter = 100: [21, 40, 56, 69, 79, 86, 92, 98]."""
     return [iteration for iteration, _ in _apgd_schedule(n_iter)]
 
 
-def _apgd_loss_fn(loss: str, y_target: Optional[jax.Array]):
+def _apgd_loss_fn(loss: str, y_target: jax.Array | None):
     """The per-example loss(logits, y) that APGD maximises."""
     if loss == "ce":
         return cross_entropy
@@ -147,9 +162,10 @@ def _apgd_loss_fn(loss: str, y_target: Optional[jax.Array]):
     raise ValueError(f"unknown APGD loss {loss!r}; expected 'ce', 'dlr' or 'dlr_targeted'")
 
 
-def _oscillating(loss_steps: jax.Array, iteration: jax.Array, window: jax.Array,
-                 rho: float) -> jax.Array:
-    """6.3 condition 1: at most window * rho of the last `window` steps increased the loss
+def _oscillating(
+    loss_steps: jax.Array, iteration: jax.Array, window: jax.Array, rho: float
+) -> jax.Array:
+    """ "Attacks: APGD step by step", condition 1: at most window * rho of the last `window` steps increased the loss
     (the code's <=). jnp.roll makes step 0 compare with the still-zero last slot, which is
     the reference's loss_steps[-1] at the first checkpoint."""
     increased = loss_steps > jnp.roll(loss_steps, 1, axis=0)
@@ -162,36 +178,53 @@ class _ApgdState(NamedTuple):
     x_adv: jax.Array
     x_old: jax.Array
     grad: jax.Array
-    step_size: jax.Array        # (B,)
+    step_size: jax.Array  # (B,)
     x_best: jax.Array
     grad_best: jax.Array
-    loss_best: jax.Array        # (B,)
+    loss_best: jax.Array  # (B,)
     x_best_adv: jax.Array
-    robust: jax.Array           # (B,) never misclassified so far
-    loss_steps: jax.Array       # (n_iter, B)
+    robust: jax.Array  # (B,) never misclassified so far
+    loss_steps: jax.Array  # (n_iter, B)
     reduced_last_check: jax.Array
     loss_best_last_check: jax.Array
 
 
 def _apgd_init(logits_fn, loss_fn, x, y, rng, eps, n_iter) -> _ApgdState:
-    """6.3 step 2: x0 = x + eps * t / max|t|, t ~ U(-1, 1) per example, clipped to [0, 1];
+    """ "Attacks: APGD step by step", step 2: x0 = x + eps * t / max|t|, t ~ U(-1, 1) per example, clipped to [0, 1];
     step size 2 * eps; loss, gradient and prediction at x0."""
     t = jax.random.uniform(rng, x.shape, x.dtype, -1.0, 1.0)
     t_max = jnp.max(jnp.abs(t.reshape(x.shape[0], -1)), axis=1)
     x0 = jnp.clip(x + eps * t / _per_example(t_max, x), 0.0, 1.0)
     losses, logits, grad = _losses_logits_grad(logits_fn, loss_fn, x0, y)
     return _ApgdState(
-        x_adv=x0, x_old=x0, grad=grad, step_size=jnp.full(losses.shape, 2.0 * eps),
-        x_best=x0, grad_best=grad, loss_best=losses, x_best_adv=x0,
+        x_adv=x0,
+        x_old=x0,
+        grad=grad,
+        step_size=jnp.full(losses.shape, 2.0 * eps),
+        x_best=x0,
+        grad_best=grad,
+        loss_best=losses,
+        x_best_adv=x0,
         robust=~_misclassified(logits, y),
         loss_steps=jnp.zeros((n_iter,) + losses.shape, losses.dtype),
-        reduced_last_check=jnp.ones(losses.shape, bool), loss_best_last_check=losses)
+        reduced_last_check=jnp.ones(losses.shape, bool),
+        loss_best_last_check=losses,
+    )
 
 
-def apgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, *, eps: float,
-         n_iter: int = 100, loss: str = "ce", y_target: Optional[jax.Array] = None,
-         rho: float = 0.75):
-    """One restart of L-inf APGD exactly as 6.3 (Croce & Hein 2020, `attack_single_run`).
+def apgd(
+    logits_fn: LogitsFn,
+    x: jax.Array,
+    y: jax.Array,
+    rng: jax.Array,
+    *,
+    eps: float,
+    n_iter: int = 100,
+    loss: str = "ce",
+    y_target: jax.Array | None = None,
+    rho: float = 0.75,
+):
+    """One restart of L-inf APGD exactly as docs/evaluation.md, "Attacks: APGD step by step" (Croce & Hein 2020, `attack_single_run`).
 
     Momentum step with a = 1 at i = 0 and 0.75 after; at each checkpoint the step size of an
     example halves when its loss oscillated (condition 1, with the first-checkpoint quirk)
@@ -213,8 +246,9 @@ def apgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, *, eps
     def step(i, s: _ApgdState) -> _ApgdState:
         momentum = jnp.where(i > 0, APGD_MOMENTUM, 1.0).astype(x.dtype)
         z = project_linf(s.x_adv + _per_example(s.step_size, x) * jnp.sign(s.grad), x, eps)
-        x_new = project_linf(s.x_adv + momentum * (z - s.x_adv)
-                         + (1.0 - momentum) * (s.x_adv - s.x_old), x, eps)
+        x_new = project_linf(
+            s.x_adv + momentum * (z - s.x_adv) + (1.0 - momentum) * (s.x_adv - s.x_old), x, eps
+        )
         losses, logits, grad = _losses_logits_grad(logits_fn, loss_fn, x_new, y)
         fooled = _misclassified(logits, y)
         improved = losses > s.loss_best
@@ -228,14 +262,19 @@ def apgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, *, eps
         reduce_now = _oscillating(loss_steps, i, window_at[i], rho) | no_improvement
         reduce = checkpoint & reduce_now
         return _ApgdState(
-            x_adv=_select(reduce, x_best, x_new), x_old=s.x_adv,
+            x_adv=_select(reduce, x_best, x_new),
+            x_old=s.x_adv,
             grad=_select(reduce, grad_best, grad),
             step_size=jnp.where(reduce, s.step_size / 2.0, s.step_size),
-            x_best=x_best, grad_best=grad_best, loss_best=loss_best,
-            x_best_adv=_select(fooled, x_new, s.x_best_adv), robust=s.robust & ~fooled,
+            x_best=x_best,
+            grad_best=grad_best,
+            loss_best=loss_best,
+            x_best_adv=_select(fooled, x_new, s.x_best_adv),
+            robust=s.robust & ~fooled,
             loss_steps=loss_steps,
             reduced_last_check=jnp.where(checkpoint, reduce_now, s.reduced_last_check),
-            loss_best_last_check=jnp.where(checkpoint, loss_best, s.loss_best_last_check))
+            loss_best_last_check=jnp.where(checkpoint, loss_best, s.loss_best_last_check),
+        )
 
     state = _apgd_init(logits_fn, loss_fn, x, y, rng, eps, n_iter)
     state = jax.lax.fori_loop(0, n_iter, step, state)
@@ -244,16 +283,23 @@ def apgd(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, *, eps
 
 def autoattack_targets(clean_logits: jax.Array, n_target_classes: int) -> jax.Array:
     """(n_target_classes, B) APGD-T targets: the 2nd .. (n_target_classes + 1)-th highest
-    clean logit of every example (section 6.1)."""
+    clean logit of every example ("Attacks: AutoAttack and the DLR losses")."""
     _, ranked = jax.lax.top_k(clean_logits, n_target_classes + 1)
     return ranked[:, 1:].T
 
 
-def autoattack(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, *,
-               eps: float, n_iter: int = 100,
-               n_target_classes: int = 9) -> tuple[jax.Array, jax.Array]:
+def autoattack(
+    logits_fn: LogitsFn,
+    x: jax.Array,
+    y: jax.Array,
+    rng: jax.Array,
+    *,
+    eps: float,
+    n_iter: int = 100,
+    n_target_classes: int = 9,
+) -> tuple[jax.Array, jax.Array]:
     """AutoAttack-style robust flags (B,) bool after APGD-CE alone and after the whole
-    cascade (section 6.1): APGD-CE, then targeted
+    cascade ("Attacks: AutoAttack and the DLR losses"): APGD-CE, then targeted
     APGD-DLR towards the 2nd .. (n_target_classes + 1)-th highest clean logit, one restart
     each; a point is non-robust once any attack fools it, clean errors count as non-robust.
 
@@ -264,16 +310,19 @@ def autoattack(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, 
     """
     clean_logits = _at_least_float32(logits_fn(x))
     if not 1 <= n_target_classes < clean_logits.shape[-1]:
-        raise ValueError(f"n_target_classes={n_target_classes} needs 1 .. "
-                         f"{clean_logits.shape[-1] - 1} other classes")
+        raise ValueError(
+            f"n_target_classes={n_target_classes} needs 1 .. "
+            f"{clean_logits.shape[-1] - 1} other classes"
+        )
     rng_ce, rng_targeted = jax.random.split(rng)
     _, robust_ce = apgd(logits_fn, x, y, rng_ce, eps=eps, n_iter=n_iter, loss="ce")
     robust_ce = ~_misclassified(clean_logits, y) & robust_ce
 
     def attack_target(robust, target_and_rng):
         y_target, key = target_and_rng
-        _, robust_t = apgd(logits_fn, x, y, key, eps=eps, n_iter=n_iter,
-                           loss="dlr_targeted", y_target=y_target)
+        _, robust_t = apgd(
+            logits_fn, x, y, key, eps=eps, n_iter=n_iter, loss="dlr_targeted", y_target=y_target
+        )
         return robust & robust_t, None
 
     targets = autoattack_targets(clean_logits, n_target_classes)
@@ -282,14 +331,15 @@ def autoattack(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, rng: jax.Array, 
     return robust_ce, robust
 
 
-# ----- Patch-Fool (section 7) -----------------------------------------------------------
+# ----- Patch-Fool ("Attacks: Patch-Fool") -----------------------------------------------------------
+
 
 def select_patches(attention: jax.Array, num_patches: int, num_patch_tokens: int) -> jax.Array:
-    """Patch-Fool's `Attn` selection (section 7): the (B, num_patches) indices of the
+    """Patch-Fool's `Attn` selection ("Attacks: Patch-Fool"): the (B, num_patches) indices of the
     patches that receive the most attention = post-softmax attention (B, heads, N, N)
     averaged over heads and queries, the leading prefix tokens (CLS, ...) dropped; most
     attended first."""
-    received = attention.mean(axis=(1, 2))[:, attention.shape[-1] - num_patch_tokens:]
+    received = attention.mean(axis=(1, 2))[:, attention.shape[-1] - num_patch_tokens :]
     return jax.lax.top_k(received, num_patches)[1]
 
 
@@ -306,7 +356,7 @@ def patch_mask(patches: jax.Array, image_shape: Sequence[int], patch_size: int) 
 def _project_conflicting(g_att: jax.Array, g_ce: jax.Array) -> jax.Array:
     """Patch-Fool's PCGrad step, per example: where cos(g_att, g_ce) < 0, subtract
     (g_att . g_ce / ||g_ce||) g_ce. The reference divides by ||g_ce||, not ||g_ce||^2 (a
-    quirk kept on purpose, section 7)."""
+    quirk kept on purpose, "Attacks: Patch-Fool")."""
     axes = tuple(range(1, g_ce.ndim))
     dot = jnp.sum(g_att * g_ce, axis=axes, keepdims=True)
     norm = jnp.sqrt(jnp.sum(g_ce * g_ce, axis=axes, keepdims=True))
@@ -315,18 +365,30 @@ def _project_conflicting(g_att: jax.Array, g_ce: jax.Array) -> jax.Array:
 
 def _attention_loss(attention: jax.Array, target_token: jax.Array) -> jax.Array:
     """Per-example Patch-Fool attention loss: log of the head-mean attention every query
-    pays to the target token, averaged over queries (= NLL(-log A, target), section 7)."""
+    pays to the target token, averaged over queries (= NLL(-log A, target), "Attacks: Patch-Fool")."""
     received = jnp.take_along_axis(attention.mean(axis=1), target_token[:, None, None], axis=2)
     return jnp.log(received[..., 0]).mean(axis=1)
 
 
-def patch_fool(logits_and_attention_fn: LogitsAndAttentionFn, x: jax.Array, y: jax.Array,
-               rng: jax.Array, *, patch_size: int, std: Sequence[float], num_patches: int = 1,
-               attention_block: int = 4, steps: int = 250, lr: float = 0.22,
-               step_decay_every: int = 10, gamma: float = 0.95,
-               attention_weight: float = 0.002, mode: str = "attention",
-               reference_batch_size: int = 64) -> jax.Array:
-    """Vanilla Patch-Fool (Fu et al. 2022; section 7) on a batch in pixel space [0, 1].
+def patch_fool(
+    logits_and_attention_fn: LogitsAndAttentionFn,
+    x: jax.Array,
+    y: jax.Array,
+    rng: jax.Array,
+    *,
+    patch_size: int,
+    std: Sequence[float],
+    num_patches: int = 1,
+    attention_block: int = 4,
+    steps: int = 250,
+    lr: float = 0.22,
+    step_decay_every: int = 10,
+    gamma: float = 0.95,
+    attention_weight: float = 0.002,
+    mode: str = "attention",
+    reference_batch_size: int = 64,
+) -> jax.Array:
+    """Vanilla Patch-Fool (Fu et al. 2022; "Attacks: Patch-Fool") on a batch in pixel space [0, 1].
 
     The `num_patches` most attended patches at block `attention_block` are replaced by a
     free patch (uniform random start, no norm bound, clipped to the valid range after every
@@ -362,8 +424,10 @@ def patch_fool(logits_and_attention_fn: LogitsAndAttentionFn, x: jax.Array, y: j
         """[CE, attention loss of each block in attention_blocks], summed over the batch."""
         logits, attention = logits_and_attention_fn(paste(u))
         terms = [cross_entropy(_at_least_float32(logits), y)]
-        terms += [_attention_loss(_at_least_float32(attention[block]), target_token)
-                  for block in attention_blocks]
+        terms += [
+            _attention_loss(_at_least_float32(attention[block]), target_token)
+            for block in attention_blocks
+        ]
         return scale * jnp.stack([term.sum() for term in terms])
 
     def ascent_direction(u):

@@ -50,8 +50,9 @@ def attention_maps(maps: dict, out_dir: str) -> list[str]:
     layers = len(maps["clean"])
     for i in range(len(maps["images"])):
         fig, axes = plt.subplots(2, layers + 1, figsize=(1.6 * (layers + 1), 3.4), squeeze=False)
-        for row, (image, per_layer) in enumerate(((maps["images"][i], maps["clean"]),
-                                                  (maps["occluded"][i], maps["occluded_maps"]))):
+        for row, (image, per_layer) in enumerate(
+            ((maps["images"][i], maps["clean"]), (maps["occluded"][i], maps["occluded_maps"]))
+        ):
             axes[row, 0].imshow(image)
             axes[row, 0].set_title("clean" if row == 0 else "occluded", fontsize=8)
             for layer in range(layers):
@@ -71,7 +72,9 @@ def learned_masks(masks: dict, out_dir: str) -> str:
     for ax, image, k in zip(axes[0], images, keep):
         patch = image.shape[0] // grid
         shade = np.repeat(np.repeat(1 - k.reshape(grid, grid), patch, 0), patch, 1)
-        overlay = image * (1 - 0.6 * shade[..., None]) + 0.6 * shade[..., None] * np.array([1, 0, 0])
+        overlay = image * (1 - 0.6 * shade[..., None]) + 0.6 * shade[..., None] * np.array(
+            [1, 0, 0]
+        )
         ax.imshow(np.clip(overlay, 0, 1))
         ax.axis("off")
     fig.suptitle("patches chosen by the corruption model (red)", fontsize=9)
@@ -82,13 +85,19 @@ def corruption_errors(result: dict, out_dir: str, suite: str) -> str:
     """Per-corruption top-1 error: mean over severities (bar) and severity 1..5 range."""
     names = result["corruptions"]
     severities = result["severities"]
-    errors = np.array([[100 * (1 - result["accuracy"][f"{n}/{s}"]) for s in severities]
-                       for n in names])
+    errors = np.array(
+        [[100 * (1 - result["accuracy"][f"{n}/{s}"]) for s in severities] for n in names]
+    )
     mean = errors.mean(axis=1)
     fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names)), 3.4))
     x = np.arange(len(names))
-    ax.bar(x, mean, color="tab:orange",
-           yerr=[mean - errors.min(axis=1), errors.max(axis=1) - mean], capsize=3)
+    ax.bar(
+        x,
+        mean,
+        color="tab:orange",
+        yerr=[mean - errors.min(axis=1), errors.max(axis=1) - mean],
+        capsize=3,
+    )
     ax.set_xticks(x, names, rotation=60, ha="right", fontsize=8)
     ax.set_ylabel("top-1 error (%)")
     ax.set_title("corruption error (bar: mean over severities, whiskers: min-max)", fontsize=9)

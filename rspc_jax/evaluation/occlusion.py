@@ -1,6 +1,6 @@
 """Random patch occlusion and attention stability (paper Sec. 1, 5.1; Figs. 2, 4, 5).
 
-Definitions (eval-protocols.md section 8, the paper leaves them open; ours):
+Definitions (docs/evaluation.md, "Occlusion and attention stability"; the paper leaves them open):
 * a random occlusion mask occludes exactly `num_occluded(N, rho)` of the N patches of an
   image (the training count: 20 of 196 at rho = 0.1), chosen uniformly without
   replacement; occluded patches get the training noise (U[0,1) in normalised space by
@@ -9,7 +9,7 @@ Definitions (eval-protocols.md section 8, the paper leaves them open; ours):
   the whole flattened post-softmax attention map (N x N) clean vs occluded.
 """
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,16 +17,24 @@ import jax.numpy as jnp
 from rspc_jax import rspc
 
 
-def random_keep_masks(rng: jax.Array, batch: int, num_patches: int,
-                      occluded: int) -> jax.Array:
+def random_keep_masks(rng: jax.Array, batch: int, num_patches: int, occluded: int) -> jax.Array:
     """(batch, N) float keep-masks, each with exactly `occluded` zeros at random places."""
     order = jnp.argsort(jax.random.uniform(rng, (batch, num_patches)), axis=1)
     ranks = jnp.argsort(order, axis=1)
     return (ranks >= occluded).astype(jnp.float32)
 
 
-def occlude_patches(images: jax.Array, keep: jax.Array, rng: jax.Array, *, patch_size: int,
-                    noise_mean, noise_std, lower, upper) -> jax.Array:
+def occlude_patches(
+    images: jax.Array,
+    keep: jax.Array,
+    rng: jax.Array,
+    *,
+    patch_size: int,
+    noise_mean,
+    noise_std,
+    lower,
+    upper,
+) -> jax.Array:
     """Eq. 1 with a given per-patch keep-mask and fresh uniform noise (training's noise
     space: (u - noise_mean) / noise_std) and clamp (None = no clamp)."""
     grid = (images.shape[1] // patch_size, images.shape[2] // patch_size)

@@ -1,6 +1,6 @@
 """Metric definitions and constants of the robustness benchmarks (pure numpy, no I/O).
 
-Everything here follows /work/shared/reference/eval-protocols.md (cited as "ref §n"); the
+Everything here follows docs/evaluation.md (its sections are cited by heading); the
 numbers that end up in papers depend on these details, so they are kept in one place and
 tested against direct implementations of the definitions.
 """
@@ -10,27 +10,48 @@ from collections.abc import Mapping
 import numpy as np
 
 # ---------------------------------------------------------------------------------------------
-# ImageNet-C (ref §1)
+# ImageNet-C (docs/evaluation.md, "ImageNet-C")
 
-# Canonical order of hendrycks/robustness ImageNet-C/test.py (ref §1.1).
+# Canonical order of hendrycks/robustness ImageNet-C/test.py (docs/evaluation.md, "ImageNet-C: corruptions and files").
 IMAGENET_C_CORRUPTIONS = (
-    "gaussian_noise", "shot_noise", "impulse_noise",
-    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
-    "snow", "frost", "fog", "brightness",
-    "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
 )
-# The 4 "validation" corruptions: no AlexNet normaliser, never part of mCE (ref §1.1).
+# The 4 "validation" corruptions: no AlexNet normaliser, never part of mCE (docs/evaluation.md, "ImageNet-C: corruptions and files").
 IMAGENET_C_EXTRA = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 NOISE_CORRUPTIONS = IMAGENET_C_CORRUPTIONS[:3]
 SEVERITIES = (1, 2, 3, 4, 5)
 
-# AlexNet top-1 error, mean over the 5 severities, as a fraction (ref §1.2).
+# AlexNet top-1 error, mean over the 5 severities, as a fraction (docs/evaluation.md, "ImageNet-C: AlexNet normalisers").
 ALEXNET_ERR = {
-    "gaussian_noise": 0.886428, "shot_noise": 0.894468, "impulse_noise": 0.922640,
-    "defocus_blur": 0.819880, "glass_blur": 0.826268, "motion_blur": 0.785948,
-    "zoom_blur": 0.798360, "snow": 0.866816, "frost": 0.826572, "fog": 0.819324,
-    "brightness": 0.564592, "contrast": 0.853204, "elastic_transform": 0.646056,
-    "pixelate": 0.717840, "jpeg_compression": 0.606500,
+    "gaussian_noise": 0.886428,
+    "shot_noise": 0.894468,
+    "impulse_noise": 0.922640,
+    "defocus_blur": 0.819880,
+    "glass_blur": 0.826268,
+    "motion_blur": 0.785948,
+    "zoom_blur": 0.798360,
+    "snow": 0.866816,
+    "frost": 0.826572,
+    "fog": 0.819324,
+    "brightness": 0.564592,
+    "contrast": 0.853204,
+    "elastic_transform": 0.646056,
+    "pixelate": 0.717840,
+    "jpeg_compression": 0.606500,
 }
 
 
@@ -44,8 +65,10 @@ def corruption_names(setting: str) -> tuple[str, ...]:
     known = IMAGENET_C_CORRUPTIONS + IMAGENET_C_EXTRA
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown corruptions {unknown} in config.evaluation.corruptions; use "
-                         f"'common', 'all' or names from {known}")
+        raise ValueError(
+            f"unknown corruptions {unknown} in config.evaluation.corruptions; use "
+            f"'common', 'all' or names from {known}"
+        )
     return names
 
 
@@ -63,25 +86,28 @@ def _mean_or_none(values: list) -> float | None:
 
 
 def _imagenet_c_corruption_accuracies(
-        accuracy: Mapping[tuple[str, int], float]) -> dict[str, float | None]:
+    accuracy: Mapping[tuple[str, int], float],
+) -> dict[str, float | None]:
     """Per corruption, mean accuracy over the 5 severities; None unless all 5 are given."""
     known = IMAGENET_C_CORRUPTIONS + IMAGENET_C_EXTRA
     for (corruption, severity), value in accuracy.items():
         if corruption not in known or severity not in SEVERITIES:
-            raise ValueError(f"unknown ImageNet-C entry {(corruption, severity)!r}; "
-                             f"corruptions are {known}, severities {SEVERITIES}")
+            raise ValueError(
+                f"unknown ImageNet-C entry {(corruption, severity)!r}; "
+                f"corruptions are {known}, severities {SEVERITIES}"
+            )
         _check_accuracy((corruption, severity), value)
     present = [c for c in known if any((c, s) in accuracy for s in SEVERITIES)]
     return {c: _mean_or_none([accuracy.get((c, s)) for s in SEVERITIES]) for c in present}
 
 
 def corruption_error(corruption: str, mean_accuracy: float) -> float:
-    """CE_c x100 = (1 - mean_s acc_{s,c}) / E^AlexNet_c * 100 (ref §1.3; AlexNet = 100)."""
+    """CE_c x100 = (1 - mean_s acc_{s,c}) / E^AlexNet_c * 100 (docs/evaluation.md, "ImageNet-C: mCE"; AlexNet = 100)."""
     return (1.0 - mean_accuracy) / ALEXNET_ERR[corruption] * 100.0
 
 
 def imagenet_c_summary(accuracy: Mapping[tuple[str, int], float]) -> dict:
-    """mCE (15), mCE w/o noise (12, the RSPC paper's column, ref §1.4) and mean accuracies.
+    """mCE (15), mCE w/o noise (12, the RSPC paper's column, docs/evaluation.md, "ImageNet-C: mCE without noise") and mean accuracies.
 
     `accuracy` maps (corruption, severity) to top-1 accuracy as a fraction. Any aggregate that
     needs an incomplete corruption is None, and `missing` lists the absent benchmark pairs.
@@ -105,14 +131,16 @@ def imagenet_c_summary(accuracy: Mapping[tuple[str, int], float]) -> dict:
         "mean_accuracy": _mean_or_none(field(IMAGENET_C_CORRUPTIONS, "accuracy")),
         "mean_accuracy_no_noise": _mean_or_none(field(non_noise, "accuracy")),
         "mean_accuracy_19": _mean_or_none(
-            field(IMAGENET_C_CORRUPTIONS + IMAGENET_C_EXTRA, "accuracy")),
-        "missing": [[c, s] for c in IMAGENET_C_CORRUPTIONS for s in SEVERITIES
-                    if (c, s) not in accuracy],
+            field(IMAGENET_C_CORRUPTIONS + IMAGENET_C_EXTRA, "accuracy")
+        ),
+        "missing": [
+            [c, s] for c in IMAGENET_C_CORRUPTIONS for s in SEVERITIES if (c, s) not in accuracy
+        ],
     }
 
 
 # ---------------------------------------------------------------------------------------------
-# ImageNet-A / ImageNet-R 200-class subsets (ref §3, Appendix A): 0-based ImageNet-1k indices
+# ImageNet-A / ImageNet-R 200-class subsets (docs/evaluation.md, "ImageNet-A and ImageNet-R", "200-class lists"): 0-based ImageNet-1k indices
 # ascending, wnids in the same order (index = position in the sorted 1000 synsets).
 
 _IMAGENET_A_INDICES = """
@@ -191,7 +219,7 @@ IMAGENET_R_WNIDS = tuple(_IMAGENET_R_WNIDS.split())
 
 
 def restricted_prediction(logits, indices: np.ndarray):
-    """ImageNet-1k index of the best class among `indices` (ref §3.2).
+    """ImageNet-1k index of the best class among `indices` (docs/evaluation.md, "ImageNet-A/R: restricting the logits").
 
     Equivalent to Hendrycks' 200-way argmax over `logits[:, indices]` compared with the 200-way
     label, but comparable with 1k labels (TFDS, our folder readers). Works on numpy and jax arrays,
@@ -202,17 +230,25 @@ def restricted_prediction(logits, indices: np.ndarray):
 
 
 # ---------------------------------------------------------------------------------------------
-# ImageNet-P (ref §2)
+# ImageNet-P (docs/evaluation.md, "ImageNet-P")
 
-# The 10 test perturbations (ref §2.1); names containing "noise" use the noise pairing rule.
+# The 10 test perturbations (docs/evaluation.md, "ImageNet-P: perturbations and files"); names containing "noise" use the noise pairing rule.
 IMAGENET_P_PERTURBATIONS = (
-    "gaussian_noise", "shot_noise", "motion_blur", "zoom_blur", "snow",
-    "brightness", "translate", "rotate", "tilt", "scale",
+    "gaussian_noise",
+    "shot_noise",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "brightness",
+    "translate",
+    "rotate",
+    "tilt",
+    "scale",
 )
 
 
 def _frame_pairs(num_frames: int, *, noise: bool, difficulty: int) -> tuple[np.ndarray, np.ndarray]:
-    """(earlier, later) frame indices compared by ImageNet-P/test.py (ref §2.2).
+    """(earlier, later) frame indices compared by ImageNet-P/test.py (docs/evaluation.md, "ImageNet-P: flip probability and top-5 distance").
 
     Noise: every frame against the clean frame 0 (harder noise levels are separate folders, so
     `difficulty` is ignored, as in test.py). Otherwise frames j - d and j, which is the same as
@@ -228,9 +264,10 @@ def _frame_pairs(num_frames: int, *, noise: bool, difficulty: int) -> tuple[np.n
     return earlier, later
 
 
-def per_video_flip_rates(predictions: np.ndarray, *, noise: bool,
-                         difficulty: int = 1) -> np.ndarray:
-    """Per video, the fraction of compared frame pairs whose top-1 prediction differs (ref §2.2).
+def per_video_flip_rates(
+    predictions: np.ndarray, *, noise: bool, difficulty: int = 1
+) -> np.ndarray:
+    """Per video, the fraction of compared frame pairs whose top-1 prediction differs (docs/evaluation.md, "ImageNet-P: flip probability and top-5 distance").
 
     `predictions`: integer class per frame, shape (videos, frames). Returned per video so that
     callers can evaluate in batches and average over all videos at the end.
@@ -257,9 +294,8 @@ def _ranks_of(logits: np.ndarray, classes: np.ndarray) -> np.ndarray:
     return 1 + (higher | tied_before).sum(axis=-1)
 
 
-def per_video_top5_distances(logits: np.ndarray, *, noise: bool,
-                             difficulty: int = 1) -> np.ndarray:
-    """Per video, the mean top-5 distance over the frame pairs of the flip probability (ref §2.2).
+def per_video_top5_distances(logits: np.ndarray, *, noise: bool, difficulty: int = 1) -> np.ndarray:
+    """Per video, the mean top-5 distance over the frame pairs of the flip probability (docs/evaluation.md, "ImageNet-P: flip probability and top-5 distance").
 
     For a pair, sum_k |k - min(sigma_k, 6)| over k = 1..5, where sigma_k is the later frame's
     rank of the earlier frame's k-th class. `logits`: shape (videos, frames, classes).
@@ -278,7 +314,7 @@ def top5_distance(logits: np.ndarray, *, noise: bool, difficulty: int = 1) -> fl
 
 def normalized_rate(values: Mapping[str, float], alexnet: Mapping[str, float]) -> dict:
     """Per-perturbation ratio to AlexNet x100 (AlexNet = 100, like mCE) and the mean over the
-    10 test perturbations: mFR from flip probabilities, mT5D from top-5 distances (ref §2.2).
+    10 test perturbations: mFR from flip probabilities, mT5D from top-5 distances (docs/evaluation.md, "ImageNet-P: flip probability and top-5 distance").
 
     The AlexNet values are not published in machine-readable form; the caller supplies them.
     The mean is None unless all 10 test perturbations have both values.
@@ -292,14 +328,14 @@ def normalized_rate(values: Mapping[str, float], alexnet: Mapping[str, float]) -
 
 
 # ---------------------------------------------------------------------------------------------
-# CIFAR-10-C / CIFAR-100-C (ref §4): file stems of the released .npy files.
+# CIFAR-10-C / CIFAR-100-C (docs/evaluation.md, "CIFAR-10-C and CIFAR-100-C"): file stems of the released .npy files.
 
 CIFAR_C_CORRUPTIONS = IMAGENET_C_CORRUPTIONS
 CIFAR_C_EXTRA = IMAGENET_C_EXTRA
 
 
 def cifar_c_summary(accuracy: Mapping[str, float]) -> dict:
-    """Mean of the per-corruption accuracies (severities pooled, as AugMix and RSPC; ref §4).
+    """Mean of the per-corruption accuracies (severities pooled, as AugMix and RSPC; docs/evaluation.md, "CIFAR-10-C and CIFAR-100-C").
 
     `accuracy` maps a file stem to accuracy as a fraction. Both the 15-corruption mean and the
     19-file mean are reported because papers differ; each is None unless complete.

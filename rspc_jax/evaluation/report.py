@@ -20,54 +20,88 @@ def _rows(name: str, result: dict) -> list[tuple[str, str]]:
     if "skipped" in result:
         return [("skipped", result["skipped"])]
     if name == "clean":
-        return [("top-1 (%)", _pct(result["top1"])), ("top-5 (%)", _pct(result["top5"])),
-                ("examples", str(result["num_examples"]))]
+        return [
+            ("top-1 (%)", _pct(result["top1"])),
+            ("top-5 (%)", _pct(result["top5"])),
+            ("examples", str(result["num_examples"])),
+        ]
     if name == "corrupted_local":
-        rows = [(f"{c} (%, mean over severities)", _pct(a))
-                for c, a in result["per_corruption"].items()]
-        return rows + [("mean accuracy (%)", _pct(result["mean_accuracy"])),
-                       ("mean accuracy w/o noise (%)", _pct(result["mean_accuracy_no_noise"]))]
+        rows = [
+            (f"{c} (%, mean over severities)", _pct(a)) for c, a in result["per_corruption"].items()
+        ]
+        return rows + [
+            ("mean accuracy (%)", _pct(result["mean_accuracy"])),
+            ("mean accuracy w/o noise (%)", _pct(result["mean_accuracy_no_noise"])),
+        ]
     if name == "patch_occlusion":
         dist = result["random_mask_accuracy"]
-        rows = [("clean (%)", _pct(result["clean_accuracy"])),
-                ("random masks: mean ± std (%)", f"{_pct(dist['mean'])} ± {100 * dist['std']:.2f}"),
-                ("random masks: min / median / max (%)",
-                 f"{_pct(dist['min'])} / {_pct(dist['median'])} / {_pct(dist['max'])}")]
+        rows = [
+            ("clean (%)", _pct(result["clean_accuracy"])),
+            ("random masks: mean ± std (%)", f"{_pct(dist['mean'])} ± {100 * dist['std']:.2f}"),
+            (
+                "random masks: min / median / max (%)",
+                f"{_pct(dist['min'])} / {_pct(dist['median'])} / {_pct(dist['max'])}",
+            ),
+        ]
         if "learned_mask_accuracy" in result:
-            rows.append(("trained corruption model's mask (%)", _pct(result["learned_mask_accuracy"])))
-        return rows + [("occluded patches", f"{result['occluded_patches']} of {result['num_patches']}"),
-                       ("masks per image", str(result["masks_per_image"]))]
+            rows.append(
+                ("trained corruption model's mask (%)", _pct(result["learned_mask_accuracy"]))
+            )
+        return rows + [
+            ("occluded patches", f"{result['occluded_patches']} of {result['num_patches']}"),
+            ("masks per image", str(result["masks_per_image"])),
+        ]
     if name == "attention_stability":
         dist = result["per_image"]
-        return [("mean Cos-Sim", f"{result['mean_cos_sim']:.4f}"),
-                ("per image min / median / max",
-                 f"{dist['min']:.4f} / {dist['median']:.4f} / {dist['max']:.4f}"),
-                ("per layer", ", ".join(f"{v:.3f}" for v in result["per_layer"])),
-                ("maps", result["maps"])]
+        return [
+            ("mean Cos-Sim", f"{result['mean_cos_sim']:.4f}"),
+            (
+                "per image min / median / max",
+                f"{dist['min']:.4f} / {dist['median']:.4f} / {dist['max']:.4f}",
+            ),
+            ("per layer", ", ".join(f"{v:.3f}" for v in result["per_layer"])),
+            ("maps", result["maps"]),
+        ]
     if name == "imagenet_c":
-        rows = [(f"{c}: accuracy (%) / CE", f"{_pct(v['accuracy'])} / {_num(v.get('ce'))}")
-                for c, v in result["per_corruption"].items()]
-        return rows + [("mCE (15)", _num(result["mce"])),
-                       ("mCE w/o noise (12)", _num(result["mce_no_noise"])),
-                       ("mean accuracy (15) (%)", _pct(result["mean_accuracy"])),
-                       ("mean accuracy w/o noise (%)", _pct(result["mean_accuracy_no_noise"])),
-                       ("mean accuracy (19) (%)", _pct(result["mean_accuracy_19"]))]
+        rows = [
+            (f"{c}: accuracy (%) / CE", f"{_pct(v['accuracy'])} / {_num(v.get('ce'))}")
+            for c, v in result["per_corruption"].items()
+        ]
+        return rows + [
+            ("mCE (15)", _num(result["mce"])),
+            ("mCE w/o noise (12)", _num(result["mce_no_noise"])),
+            ("mean accuracy (15) (%)", _pct(result["mean_accuracy"])),
+            ("mean accuracy w/o noise (%)", _pct(result["mean_accuracy_no_noise"])),
+            ("mean accuracy (19) (%)", _pct(result["mean_accuracy_19"])),
+        ]
     if name in ("cifar10_c", "cifar100_c"):
         if "per_corruption" not in result:
             return [("accuracy (%) per corruption/severity", str(result["accuracy"]))]
         rows = [(f"{c} (%)", _pct(a)) for c, a in result["per_corruption"].items()]
-        return rows + [("mean accuracy (15) (%)", _pct(result["mean_accuracy"])),
-                       ("mean accuracy (19) (%)", _pct(result["mean_accuracy_19"]))]
+        return rows + [
+            ("mean accuracy (15) (%)", _pct(result["mean_accuracy"])),
+            ("mean accuracy (19) (%)", _pct(result["mean_accuracy_19"])),
+        ]
     if name in ("imagenet_a", "imagenet_r"):
-        return [("top-1, 200 classes (%)", _pct(result["top1"])),
-                ("examples", str(result["num_examples"]))]
+        return [
+            ("top-1, 200 classes (%)", _pct(result["top1"])),
+            ("examples", str(result["num_examples"])),
+        ]
     if name == "imagenet_p":
-        rows = [(f"{p}: FP (%) / T5D", f"{_pct(fp)} / {result['top5_distance'][p]:.3f}")
-                for p, fp in result["flip_probability"].items()]
-        rows += [("mean FP (%) / mean T5D", f"{_pct(result['mean_flip_probability'])} / "
-                                            f"{result['mean_top5_distance']:.3f}")]
+        rows = [
+            (f"{p}: FP (%) / T5D", f"{_pct(fp)} / {result['top5_distance'][p]:.3f}")
+            for p, fp in result["flip_probability"].items()
+        ]
+        rows += [
+            (
+                "mean FP (%) / mean T5D",
+                f"{_pct(result['mean_flip_probability'])} / {result['mean_top5_distance']:.3f}",
+            )
+        ]
         if "mFR" in result:
-            rows += [("mFR / mT5D", f"{_num(result['mFR']['mean'])} / {_num(result['mT5D']['mean'])}")]
+            rows += [
+                ("mFR / mT5D", f"{_num(result['mFR']['mean'])} / {_num(result['mT5D']['mean'])}")
+            ]
         return rows
     if name == "adversarial":
         s, accuracy = result["settings"], result["accuracy"]
@@ -77,21 +111,36 @@ def _rows(name: str, result: dict) -> list[tuple[str, str]]:
             "pgd": f"PGD-{s['pgd_steps']}, eps {_over255(s['pgd_eps'])}, step {_over255(s['pgd_step'])}",
             "apgd_ce": f"APGD-CE, eps {_over255(s['apgd_eps'])}, {s['apgd_iters']} iterations",
             "autoattack": f"APGD-CE + APGD-T ({s['autoattack_targets']} targets), eps "
-                          f"{_over255(s['apgd_eps'])}",
+            f"{_over255(s['apgd_eps'])}",
             "patch_fool": f"Patch-Fool, {s['patch_fool']['patches']} patch, block "
-                          f"{s['patch_fool']['block']}, {s['patch_fool']['steps']} Adam steps",
+            f"{s['patch_fool']['block']}, {s['patch_fool']['steps']} Adam steps",
         }
-        return [(f"{label} (%)", _pct(accuracy[key])) for key, label in labels.items()
-                if key in accuracy] + [("examples", str(result["num_examples"]))]
+        return [
+            (f"{label} (%)", _pct(accuracy[key]))
+            for key, label in labels.items()
+            if key in accuracy
+        ] + [("examples", str(result["num_examples"]))]
     return [(k, str(v)) for k, v in result.items() if not isinstance(v, (dict, list))]
 
 
-def write(out_dir: str, results: dict, figure_paths: dict, *, model_name: str, dataset: str,
-          source: str, config) -> str:
-    lines = [f"# Robustness report: {model_name} on {dataset}", "",
-             f"Weights: `{source}`. Eval preprocessing: "
-             f"{config.eval_preprocess or 'the dataset default'} at {config.image_size} px. "
-             "Per-suite JSON files beside this report hold every number.", ""]
+def write(
+    out_dir: str,
+    results: dict,
+    figure_paths: dict,
+    *,
+    model_name: str,
+    dataset: str,
+    source: str,
+    config,
+) -> str:
+    lines = [
+        f"# Robustness report: {model_name} on {dataset}",
+        "",
+        f"Weights: `{source}`. Eval preprocessing: "
+        f"{config.eval_preprocess or 'the dataset default'} at {config.image_size} px. "
+        "Per-suite JSON files beside this report hold every number.",
+        "",
+    ]
     for name, result in results.items():
         lines += [f"## {name}", "", "| metric | value |", "|---|---|"]
         lines += [f"| {metric} | {value} |" for metric, value in _rows(name, result)]

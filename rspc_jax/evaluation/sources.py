@@ -1,6 +1,6 @@
 """Host-side readers of the released benchmark file layouts.
 
-Layouts and sources: /work/shared/reference/eval-protocols.md (cited as "ref §n").
+Layouts and sources: docs/evaluation.md (its sections are cited by heading).
 
 They return file paths or arrays plus ImageNet-1k / CIFAR labels and check the layout first, so
 that a missing or partially extracted download fails with a message that says what to fetch and
@@ -19,11 +19,13 @@ IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 VIDEO_SUFFIXES = (".mp4",)
 IMAGENET_CLASSES = 1000
 
-# Where the data come from (ref §1.1, §2.1, §3.1, §4).
+# Where the data come from (docs/evaluation.md: the "files" sections of each benchmark).
 IMAGENET_C_ORIGIN = "ImageNet-C, Zenodo record 2235448 (hendrycks/robustness README)"
 IMAGENET_P_ORIGIN = "ImageNet-P, Zenodo record 3565846 (hendrycks/robustness README)"
-SUBSET_ORIGIN = ("ImageNet-A (hendrycks/natural-adv-examples README) or ImageNet-R "
-                 "(hendrycks/imagenet-r README), extracted so that each class is a wnid folder")
+SUBSET_ORIGIN = (
+    "ImageNet-A (hendrycks/natural-adv-examples README) or ImageNet-R "
+    "(hendrycks/imagenet-r README), extracted so that each class is a wnid folder"
+)
 CIFAR_C_ORIGIN = "CIFAR-10-C: Zenodo record 2535967; CIFAR-100-C: Zenodo record 3555552"
 
 
@@ -49,25 +51,38 @@ def _require_class_count(root: Path, folders: list[Path], layout: str, origin: s
     """Labels are positions in the sorted folder list; a missing class would shift all of them."""
     if len(folders) != IMAGENET_CLASSES:
         raise MissingDataError(
-            root, f"found {len(folders)} class folders instead of the {IMAGENET_CLASSES} ImageNet "
-            "wnids (incomplete extraction?) in", layout, origin)
+            root,
+            f"found {len(folders)} class folders instead of the {IMAGENET_CLASSES} ImageNet "
+            "wnids (incomplete extraction?) in",
+            layout,
+            origin,
+        )
 
 
-def _labelled_files(root: Path, folders: list[Path], labels: Sequence[int],
-                    suffixes: tuple[str, ...], layout: str,
-                    origin: str) -> tuple[list[str], np.ndarray]:
+def _labelled_files(
+    root: Path,
+    folders: list[Path],
+    labels: Sequence[int],
+    suffixes: tuple[str, ...],
+    layout: str,
+    origin: str,
+) -> tuple[list[str], np.ndarray]:
     """Files with `suffixes` (case-insensitive, sorted, recursive) per folder, with its label."""
     paths, file_labels, empty = [], [], []
     for folder, label in zip(folders, labels):
-        files = sorted(p for p in folder.rglob("*")
-                       if p.suffix.lower() in suffixes and p.is_file())
+        files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in suffixes and p.is_file())
         if not files:
             empty.append(folder.name)
         paths.extend(str(p) for p in files)
         file_labels.extend([label] * len(files))
     if empty:
-        raise MissingDataError(root, f"no {'/'.join(suffixes)} files in class folders "
-                               f"{empty[:5]}{' ...' if len(empty) > 5 else ''} of", layout, origin)
+        raise MissingDataError(
+            root,
+            f"no {'/'.join(suffixes)} files in class folders "
+            f"{empty[:5]}{' ...' if len(empty) > 5 else ''} of",
+            layout,
+            origin,
+        )
     return paths, np.asarray(file_labels, dtype=np.int64)
 
 
@@ -79,24 +94,29 @@ def image_folder_examples(root: Path | str) -> tuple[list[str], np.ndarray]:
     return _labelled_files(root, folders, range(len(folders)), IMAGE_SUFFIXES, layout, origin)
 
 
-def imagenet_c_examples(root: Path | str, corruption: str,
-                        severity: int) -> tuple[list[str], np.ndarray]:
+def imagenet_c_examples(
+    root: Path | str, corruption: str, severity: int
+) -> tuple[list[str], np.ndarray]:
     """JPEGs and ImageNet-1k labels of one (corruption, severity) of the released ImageNet-C."""
     known = protocols.IMAGENET_C_CORRUPTIONS + protocols.IMAGENET_C_EXTRA
     if corruption not in known or severity not in protocols.SEVERITIES:
-        raise ValueError(f"unknown ImageNet-C entry {(corruption, severity)!r}; corruptions are "
-                         f"{known}, severities {protocols.SEVERITIES}")
+        raise ValueError(
+            f"unknown ImageNet-C entry {(corruption, severity)!r}; corruptions are "
+            f"{known}, severities {protocols.SEVERITIES}"
+        )
     folder = Path(root) / corruption / str(severity)
     layout = "<root>/<corruption>/<severity 1-5>/<1000 wnid folders>/<image>.JPEG"
     classes = _class_folders(folder, layout, IMAGENET_C_ORIGIN)
     _require_class_count(folder, classes, layout, IMAGENET_C_ORIGIN)
-    return _labelled_files(folder, classes, range(IMAGENET_CLASSES), IMAGE_SUFFIXES, layout,
-                           IMAGENET_C_ORIGIN)
+    return _labelled_files(
+        folder, classes, range(IMAGENET_CLASSES), IMAGE_SUFFIXES, layout, IMAGENET_C_ORIGIN
+    )
 
 
-def subset_folder_examples(root: Path | str, wnids: Sequence[str],
-                           indices: Sequence[int]) -> tuple[list[str], np.ndarray]:
-    """ImageNet-A/R images with ImageNet-1k labels: folder wnid -> its index in `indices` (ref §3).
+def subset_folder_examples(
+    root: Path | str, wnids: Sequence[str], indices: Sequence[int]
+) -> tuple[list[str], np.ndarray]:
+    """ImageNet-A/R images with ImageNet-1k labels: folder wnid -> its index in `indices` (docs/evaluation.md, "ImageNet-A and ImageNet-R").
 
     Pass protocols.IMAGENET_A_WNIDS / IMAGENET_A_INDICES (or the R lists). Every listed wnid must
     have a folder, and any other folder is an error, so a partial download cannot go unnoticed.
@@ -112,8 +132,12 @@ def subset_folder_examples(root: Path | str, wnids: Sequence[str],
         raise ValueError(f"{root}: folders {unknown} are not among the {len(wnids)} expected wnids")
     absent = sorted(set(index_of) - {f.name for f in folders})
     if absent:
-        raise MissingDataError(root, f"{len(absent)} wnid folders missing (e.g. {absent[:3]}) in",
-                               layout, SUBSET_ORIGIN)
+        raise MissingDataError(
+            root,
+            f"{len(absent)} wnid folders missing (e.g. {absent[:3]}) in",
+            layout,
+            SUBSET_ORIGIN,
+        )
     labels = [index_of[f.name] for f in folders]
     return _labelled_files(root, folders, labels, IMAGE_SUFFIXES, layout, SUBSET_ORIGIN)
 
@@ -125,7 +149,7 @@ def _load_npy(path: Path, layout: str) -> np.ndarray:
 
 
 def cifar_c_arrays(root: Path | str, corruption: str) -> tuple[np.ndarray, np.ndarray]:
-    """Images uint8 (N, 32, 32, 3) and labels int64 (N,) of one CIFAR-10/100-C file (ref §4).
+    """Images uint8 (N, 32, 32, 3) and labels int64 (N,) of one CIFAR-10/100-C file (docs/evaluation.md, "CIFAR-10-C and CIFAR-100-C").
 
     The release stacks 5 severity blocks of 10,000 (N = 50,000); any N divisible by 5 is read.
     """
@@ -137,29 +161,39 @@ def cifar_c_arrays(root: Path | str, corruption: str) -> tuple[np.ndarray, np.nd
     images = _load_npy(root / f"{corruption}.npy", layout)
     labels = _load_npy(root / "labels.npy", layout)
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != (32, 32, 3):
-        raise ValueError(f"{root / corruption}.npy: {images.dtype} {images.shape}, "
-                         "expected uint8 (N, 32, 32, 3)")
+        raise ValueError(
+            f"{root / corruption}.npy: {images.dtype} {images.shape}, expected uint8 (N, 32, 32, 3)"
+        )
     if images.shape[0] % len(protocols.SEVERITIES):
-        raise ValueError(f"{root / corruption}.npy: {images.shape[0]} images do not split into "
-                         f"{len(protocols.SEVERITIES)} severity blocks")
+        raise ValueError(
+            f"{root / corruption}.npy: {images.shape[0]} images do not split into "
+            f"{len(protocols.SEVERITIES)} severity blocks"
+        )
     if labels.shape != (images.shape[0],):
-        raise ValueError(f"{root / 'labels.npy'}: shape {labels.shape}, expected "
-                         f"({images.shape[0]},) to match {corruption}.npy")
+        raise ValueError(
+            f"{root / 'labels.npy'}: shape {labels.shape}, expected "
+            f"({images.shape[0]},) to match {corruption}.npy"
+        )
     blocks = labels.reshape(len(protocols.SEVERITIES), -1)
     if not (blocks == blocks[0]).all():
-        raise ValueError(f"{root / 'labels.npy'}: the severity blocks carry different labels; "
-                         "expected the test labels repeated once per severity")
+        raise ValueError(
+            f"{root / 'labels.npy'}: the severity blocks carry different labels; "
+            "expected the test labels repeated once per severity"
+        )
     return images, labels.astype(np.int64)
 
 
-def cifar_c_severity(images: np.ndarray, labels: np.ndarray,
-                     severity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Block of one severity (1-based): rows (s-1)*N/5 ... s*N/5 - 1 (ref §4)."""
+def cifar_c_severity(
+    images: np.ndarray, labels: np.ndarray, severity: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Block of one severity (1-based): rows (s-1)*N/5 ... s*N/5 - 1 (docs/evaluation.md, "CIFAR-10-C and CIFAR-100-C")."""
     if severity not in protocols.SEVERITIES:
         raise ValueError(f"severity {severity} not in {protocols.SEVERITIES}")
     if len(images) != len(labels) or len(images) % len(protocols.SEVERITIES):
-        raise ValueError(f"{len(images)} images and {len(labels)} labels do not form "
-                         f"{len(protocols.SEVERITIES)} equal severity blocks")
+        raise ValueError(
+            f"{len(images)} images and {len(labels)} labels do not form "
+            f"{len(protocols.SEVERITIES)} equal severity blocks"
+        )
     block = len(images) // len(protocols.SEVERITIES)
     rows = slice((severity - 1) * block, severity * block)
     return images[rows], labels[rows]
@@ -169,13 +203,14 @@ def read_video(path: Path | str) -> np.ndarray:
     """All frames of an ImageNet-P .mp4 as uint8 (T, H, W, 3) RGB, decoded by ffmpeg."""
     path = Path(path)
     if not path.is_file():
-        raise MissingDataError(path, "video not found",
-                               "<root>/<perturbation>/<wnid>/<image>.mp4", IMAGENET_P_ORIGIN)
+        raise MissingDataError(
+            path, "video not found", "<root>/<perturbation>/<wnid>/<image>.mp4", IMAGENET_P_ORIGIN
+        )
     return iio.imread(path, plugin="FFMPEG", index=...)
 
 
 def imagenet_p_examples(root: Path | str, perturbation: str) -> tuple[list[str], np.ndarray]:
-    """Videos and ImageNet-1k labels of one ImageNet-P perturbation folder (ref §2.1).
+    """Videos and ImageNet-1k labels of one ImageNet-P perturbation folder (docs/evaluation.md, "ImageNet-P: perturbations and files").
 
     `perturbation` is a folder name, including the harder noise levels such as 'gaussian_noise_2'.
     """
@@ -183,5 +218,6 @@ def imagenet_p_examples(root: Path | str, perturbation: str) -> tuple[list[str],
     layout = "<root>/<perturbation>/<1000 wnid folders>/<image>.mp4"
     classes = _class_folders(folder, layout, IMAGENET_P_ORIGIN)
     _require_class_count(folder, classes, layout, IMAGENET_P_ORIGIN)
-    return _labelled_files(folder, classes, range(IMAGENET_CLASSES), VIDEO_SUFFIXES, layout,
-                           IMAGENET_P_ORIGIN)
+    return _labelled_files(
+        folder, classes, range(IMAGENET_CLASSES), VIDEO_SUFFIXES, layout, IMAGENET_P_ORIGIN
+    )

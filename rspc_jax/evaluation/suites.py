@@ -10,28 +10,50 @@ import jax.numpy as jnp
 import numpy as np
 
 from rspc_jax import rspc
-from rspc_jax.evaluation import attacks
-from rspc_jax.evaluation import data
-from rspc_jax.evaluation import occlusion
-from rspc_jax.evaluation import protocols
-from rspc_jax.evaluation import runner
-from rspc_jax.evaluation.runner import Context, SuiteSkipped, run_pass, sharded
-
+from rspc_jax.data import eval as data
+from rspc_jax.evaluation import attacks, occlusion, protocols
+from rspc_jax.evaluation import loop as runner
+from rspc_jax.evaluation.loop import Context, SuiteSkipped, run_pass, sharded
 
 # --------------------------------------------------------------------------------------
 # clean
 
 
-def clean(ctx: Context) -> dict:
+def clean(ctx: Context, fgsm_eps: float = 0.0) -> dict:
+    """Top-1/top-5 accuracy and cross-entropy on the eval split; with `fgsm_eps` > 0 also
+    the FGSM accuracy (pixels in [0, 1], no random start: the thesis's early-stopping
+    metric). Training's periodic evaluation is this suite."""
+    mean, std = jnp.asarray(ctx.spec.mean), jnp.asarray(ctx.spec.std)
+
     def step(variables, batch, rng):
         logits = ctx.logits(variables, batch["image"]).astype(jnp.float32)
-        ce = -jax.nn.log_softmax(logits)[jnp.arange(logits.shape[0]), batch["label"]]
-        return dict(top1=runner.correct(logits, batch["label"]),
-                    top5=runner.correct(logits, batch["label"], min(5, logits.shape[-1])), ce=ce)
+        labels = batch["label"]
+        out = dict(
+            top1=runner.correct(logits, labels),
+            top5=runner.correct(logits, labels, min(5, logits.shape[-1])),
+            ce=attacks.cross_entropy(logits, labels),
+        )
+        if fgsm_eps > 0:
+            logits_fn = lambda pixels: ctx.logits(variables, (pixels - mean) / std)  # noqa: E731
+            adv = attacks.fgsm(logits_fn, batch["image"] * std + mean, labels, eps=fgsm_eps)
+            out["fgsm"] = runner.correct(logits_fn(adv), labels)
+        return out
 
-    out = run_pass(ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed), label="clean")
-    return dict(top1=float(out["top1"].mean()), top5=float(out["top5"].mean()),
-                loss=float(out["ce"].mean()), num_examples=int(out["top1"].size))
+    out = run_pass(
+        ctx,
+        sharded(ctx, step, name=f"clean_fgsm{fgsm_eps}"),
+        jax.random.PRNGKey(ctx.seed),
+        label="clean",
+    )
+    result = dict(
+        top1=float(out["top1"].mean()),
+        top5=float(out["top5"].mean()),
+        loss=float(out["ce"].mean()),
+        num_examples=int(out["top1"].size),
+    )
+    if fgsm_eps > 0:
+        result["fgsm_accuracy"] = float(out["fgsm"].mean())
+    return result
 
 
 # --------------------------------------------------------------------------------------
@@ -42,11 +64,13 @@ def _corrupter(name: str, severity: int, seed: int):
     """transform(uint8 images, labels) with imagecorruptions' global NumPy RNG seeded once
     per (corruption, severity, host), so a rerun gives the same images."""
     from imagecorruptions import corrupt
+
     np.random.seed(seed)
 
     def transform(images, labels):
-        return np.stack([corrupt(image, severity=severity, corruption_name=name)
-                         for image in images])
+        return np.stack(
+            [corrupt(image, severity=severity, corruption_name=name) for image in images]
+        )
 
     return transform
 
@@ -60,20 +84,32 @@ def corrupted_local(ctx: Context) -> dict:
     for c, name in enumerate(names):
         for severity in ctx.settings.severities:
             seed = (ctx.seed * 1000 + c * 10 + severity) * 1000 + jax.process_index()
-            out = run_pass(ctx, step, jax.random.PRNGKey(0), label=f"{name} s{severity}",
-                           transform=_corrupter(name, severity, seed))
+            out = run_pass(
+                ctx,
+                step,
+                jax.random.PRNGKey(0),
+                label=f"{name} s{severity}",
+                transform=_corrupter(name, severity, seed),
+            )
             accuracy[f"{name}/{severity}"] = float(out["correct"].mean())
-    per_corruption = {name: float(np.mean([accuracy[f"{name}/{s}"] for s in ctx.settings.severities]))
-                      for name in names}
+    per_corruption = {
+        name: float(np.mean([accuracy[f"{name}/{s}"] for s in ctx.settings.severities]))
+        for name in names
+    }
     no_noise = [v for k, v in per_corruption.items() if k not in protocols.NOISE_CORRUPTIONS]
     return dict(
-        note=("corruptions generated on the fly with imagecorruptions-imaug on the "
-              f"{ctx.config.dataset} eval images after their eval preprocessing; NOT the "
-              "released ImageNet-C/CIFAR-C files, so not comparable with published numbers"),
-        accuracy=accuracy, per_corruption=per_corruption,
+        note=(
+            "corruptions generated on the fly with imagecorruptions-imaug on the "
+            f"{ctx.config.dataset} eval images after their eval preprocessing; NOT the "
+            "released ImageNet-C/CIFAR-C files, so not comparable with published numbers"
+        ),
+        accuracy=accuracy,
+        per_corruption=per_corruption,
         mean_accuracy=float(np.mean(list(per_corruption.values()))),
         mean_accuracy_no_noise=float(np.mean(no_noise)) if no_noise else None,
-        corruptions=list(names), severities=list(ctx.settings.severities))
+        corruptions=list(names),
+        severities=list(ctx.settings.severities),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -95,23 +131,38 @@ def patch_occlusion(ctx: Context) -> dict:
 
         def one_mask(key):
             mask_key, noise_key = jax.random.split(key)
-            keep = occlusion.random_keep_masks(mask_key, images.shape[0], ctx.num_patches(), occluded)
-            return runner.correct(ctx.logits(variables, ctx.occlude(images, keep, noise_key)), labels)
+            keep = occlusion.random_keep_masks(
+                mask_key, images.shape[0], ctx.num_patches(), occluded
+            )
+            return runner.correct(
+                ctx.logits(variables, ctx.occlude(images, keep, noise_key)), labels
+            )
 
-        out = dict(clean=runner.correct(ctx.logits(variables, images), labels),
-                   random=jax.lax.map(one_mask, jax.random.split(rng, masks)).T)
+        out = dict(
+            clean=runner.correct(ctx.logits(variables, images), labels),
+            random=jax.lax.map(one_mask, jax.random.split(rng, masks)).T,
+        )
         if learned:
             keep = _learned_keep(ctx, images)
-            out["learned"] = runner.correct(ctx.logits(variables, ctx.occlude(images, keep, rng)), labels)
+            out["learned"] = runner.correct(
+                ctx.logits(variables, ctx.occlude(images, keep, rng)), labels
+            )
         return out
 
-    out = run_pass(ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed + 1), label="patch_occlusion")
+    out = run_pass(
+        ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed + 1), label="patch_occlusion"
+    )
     per_mask = out["random"].mean(axis=0)
     result = dict(
-        rho=ctx.settings.occlusion_rho, occluded_patches=occluded, num_patches=ctx.num_patches(),
-        masks_per_image=masks, clean_accuracy=float(out["clean"].mean()),
+        rho=ctx.settings.occlusion_rho,
+        occluded_patches=occluded,
+        num_patches=ctx.num_patches(),
+        masks_per_image=masks,
+        clean_accuracy=float(out["clean"].mean()),
         random_mask_accuracy=_distribution(per_mask),
-        per_mask_accuracy=[float(a) for a in per_mask], num_examples=int(out["clean"].size))
+        per_mask_accuracy=[float(a) for a in per_mask],
+        num_examples=int(out["clean"].size),
+    )
     if learned:
         result["learned_mask_accuracy"] = float(out["learned"].mean())
         result["figures"] = dict(learned_masks=_learned_mask_examples(ctx))
@@ -120,17 +171,31 @@ def patch_occlusion(ctx: Context) -> dict:
 
 def _distribution(values: np.ndarray) -> dict:
     q1, median, q3 = np.percentile(values, [25, 50, 75])
-    return dict(mean=float(values.mean()), std=float(values.std()), min=float(values.min()),
-                q1=float(q1), median=float(median), q3=float(q3), max=float(values.max()))
+    return dict(
+        mean=float(values.mean()),
+        std=float(values.std()),
+        min=float(values.min()),
+        q1=float(q1),
+        median=float(median),
+        q3=float(q3),
+        max=float(values.max()),
+    )
 
 
 def _first_batch(ctx: Context, count: int):
     """The first `count` eval images (normalised, this host) for the figures."""
     examples, _ = ctx.examples()
     size = ctx.config.image_size
-    batch = next(data.host_batches(examples, local_batch=count, batches=1,
-                                   image_shape=(size, size, 3), mean=ctx.spec.mean,
-                                   std=ctx.spec.std))
+    batch = next(
+        data.host_batches(
+            examples,
+            local_batch=count,
+            batches=1,
+            image_shape=(size, size, 3),
+            mean=ctx.spec.mean,
+            std=ctx.spec.std,
+        )
+    )
     return batch["image"][batch["mask"] > 0], batch["label"][batch["mask"] > 0]
 
 
@@ -141,8 +206,11 @@ def _to_pixels(ctx: Context, images):
 def _learned_mask_examples(ctx: Context) -> dict:
     images, _ = _first_batch(ctx, ctx.settings.figure_images)
     keep = jax.jit(functools.partial(_learned_keep, ctx))(images)
-    return dict(images=_to_pixels(ctx, images), keep=np.asarray(keep),
-                grid=ctx.config.image_size // ctx.patch_size)
+    return dict(
+        images=_to_pixels(ctx, images),
+        keep=np.asarray(keep),
+        grid=ctx.config.image_size // ctx.patch_size,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -160,20 +228,29 @@ def attention_stability(ctx: Context) -> dict:
         _, occluded_maps = ctx.logits_and_attention(variables, ctx.occlude(images, keep, noise_key))
         return dict(cos=occlusion.attention_cosine(clean_maps, occluded_maps))
 
-    out = run_pass(ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed + 2),
-                   label="attention_stability")
+    out = run_pass(
+        ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed + 2), label="attention_stability"
+    )
     per_image = out["cos"].mean(axis=1)
     channel = type(ctx.model).__name__ == "XCiT"
     result = dict(
-        maps=("XCiT channel attention (d x d per head)" if channel
-              else "token attention (N x N per head)"),
-        definition=("per image: mean over layers and heads of cos(vec(A_clean), vec(A_occluded)), "
-                    "one random mask per image"),
-        occluded_patches=occluded, mean_cos_sim=float(per_image.mean()),
+        maps=(
+            "XCiT channel attention (d x d per head)"
+            if channel
+            else "token attention (N x N per head)"
+        ),
+        definition=(
+            "per image: mean over layers and heads of cos(vec(A_clean), vec(A_occluded)), "
+            "one random mask per image"
+        ),
+        occluded_patches=occluded,
+        mean_cos_sim=float(per_image.mean()),
         per_image=_distribution(per_image),
         per_image_values=[round(float(v), 5) for v in per_image],
-        per_layer=[float(v) for v in out["cos"].mean(axis=0)], num_examples=int(per_image.size),
-        figures=dict(histogram=per_image))
+        per_layer=[float(v) for v in out["cos"].mean(axis=0)],
+        num_examples=int(per_image.size),
+        figures=dict(histogram=per_image),
+    )
     if not channel:
         result["figures"]["query_maps"] = _query_maps(ctx)
     return result
@@ -187,18 +264,27 @@ def _query_maps(ctx: Context) -> dict:
     @jax.jit
     def maps(variables, images, rng):
         mask_key, noise_key = jax.random.split(rng)
-        keep = occlusion.random_keep_masks(mask_key, images.shape[0], ctx.num_patches(),
-                                           ctx.occluded_count())
+        keep = occlusion.random_keep_masks(
+            mask_key, images.shape[0], ctx.num_patches(), ctx.occluded_count()
+        )
         corrupted = ctx.occlude(images, keep, noise_key)
         _, clean_maps = ctx.logits_and_attention(variables, images)
         _, occluded_maps = ctx.logits_and_attention(variables, corrupted)
-        return (corrupted, [occlusion.query_attention(m) for m in clean_maps],
-                [occlusion.query_attention(m) for m in occluded_maps])
+        return (
+            corrupted,
+            [occlusion.query_attention(m) for m in clean_maps],
+            [occlusion.query_attention(m) for m in occluded_maps],
+        )
 
-    corrupted, clean_maps, occluded_maps = maps(ctx.variables, images, jax.random.PRNGKey(ctx.seed + 3))
-    return dict(images=_to_pixels(ctx, images), occluded=_to_pixels(ctx, corrupted),
-                clean=[np.asarray(m) for m in clean_maps],
-                occluded_maps=[np.asarray(m) for m in occluded_maps])
+    corrupted, clean_maps, occluded_maps = maps(
+        ctx.variables, images, jax.random.PRNGKey(ctx.seed + 3)
+    )
+    return dict(
+        images=_to_pixels(ctx, images),
+        occluded=_to_pixels(ctx, corrupted),
+        clean=[np.asarray(m) for m in clean_maps],
+        occluded_maps=[np.asarray(m) for m in occluded_maps],
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -217,7 +303,9 @@ def adversarial(ctx: Context) -> dict:
     mean, std = jnp.asarray(ctx.spec.mean), jnp.asarray(ctx.spec.std)
     token_attention = type(ctx.model).__name__ != "XCiT"
     if token_attention:  # Patch-Fool's block 4 of a 12-block DeiT; capped for shallow models
-        image = jax.ShapeDtypeStruct((1, ctx.config.image_size, ctx.config.image_size, 3), jnp.float32)
+        image = jax.ShapeDtypeStruct(
+            (1, ctx.config.image_size, ctx.config.image_size, 3), jnp.float32
+        )
         layers = len(jax.eval_shape(ctx.logits_and_attention, ctx.variables, image)[1])
         fool_block = min(s.patch_fool_block, layers - 1)
 
@@ -228,43 +316,77 @@ def adversarial(ctx: Context) -> dict:
         keys = jax.random.split(rng, 4)
         out = dict(clean=runner.correct(logits_fn(x), y))
         if "fgsm" in attacks_run:
-            out["fgsm"] = runner.correct(logits_fn(attacks.fgsm(logits_fn, x, y, eps=s.fgsm_eps)), y)
+            out["fgsm"] = runner.correct(
+                logits_fn(attacks.fgsm(logits_fn, x, y, eps=s.fgsm_eps)), y
+            )
         if "pgd" in attacks_run:
-            x_pgd = attacks.pgd(logits_fn, x, y, keys[0], eps=s.pgd_eps, step_size=s.pgd_step,
-                                steps=s.pgd_steps)
+            x_pgd = attacks.pgd(
+                logits_fn, x, y, keys[0], eps=s.pgd_eps, step_size=s.pgd_step, steps=s.pgd_steps
+            )
             out["pgd"] = runner.correct(logits_fn(x_pgd), y)
             out["pgd_linf"] = jnp.abs(x_pgd - x).max(axis=(1, 2, 3))
         if "autoattack" in attacks_run and s.apgd_targets:
             out["apgd_ce"], out["autoattack"] = attacks.autoattack(
-                logits_fn, x, y, keys[1], eps=s.apgd_eps, n_iter=s.apgd_iters,
-                n_target_classes=s.apgd_targets)
+                logits_fn,
+                x,
+                y,
+                keys[1],
+                eps=s.apgd_eps,
+                n_iter=s.apgd_iters,
+                n_target_classes=s.apgd_targets,
+            )
         elif "apgd_ce" in attacks_run or "autoattack" in attacks_run:
-            _, out["apgd_ce"] = attacks.apgd(logits_fn, x, y, keys[1], eps=s.apgd_eps,
-                                             n_iter=s.apgd_iters)
+            _, out["apgd_ce"] = attacks.apgd(
+                logits_fn, x, y, keys[1], eps=s.apgd_eps, n_iter=s.apgd_iters
+            )
         if "patch_fool" in attacks_run and s.patch_fool_steps and token_attention:
             attention_fn = lambda pixels: ctx.logits_and_attention(  # noqa: E731
-                variables, (pixels - mean) / std)
-            x_fool = attacks.patch_fool(attention_fn, x, y, keys[3], patch_size=ctx.model.patch_size,
-                                        std=ctx.spec.std,
-                                        num_patches=s.patch_fool_patches,
-                                        attention_block=fool_block,
-                                        steps=s.patch_fool_steps)
+                variables, (pixels - mean) / std
+            )
+            x_fool = attacks.patch_fool(
+                attention_fn,
+                x,
+                y,
+                keys[3],
+                patch_size=ctx.model.patch_size,
+                std=ctx.spec.std,
+                num_patches=s.patch_fool_patches,
+                attention_block=fool_block,
+                steps=s.patch_fool_steps,
+            )
             out["patch_fool"] = runner.correct(logits_fn(x_fool), y)
         return out
 
-    out = run_pass(ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed + 4), label="adversarial",
-                   limit=s.adversarial_examples)
+    out = run_pass(
+        ctx,
+        sharded(ctx, step),
+        jax.random.PRNGKey(ctx.seed + 4),
+        label="adversarial",
+        limit=s.adversarial_examples,
+    )
     accuracy = {k: float(v.mean()) for k, v in out.items() if k != "pgd_linf"}
     return dict(
-        accuracy=accuracy, num_examples=int(out["clean"].size),
+        accuracy=accuracy,
+        num_examples=int(out["clean"].size),
         max_pgd_linf=float(out["pgd_linf"].max()) if "pgd_linf" in out else None,
-        settings=dict(space="pixels in [0,1], normalisation inside the model",
-                      fgsm_eps=s.fgsm_eps, pgd_eps=s.pgd_eps, pgd_step=s.pgd_step,
-                      pgd_steps=s.pgd_steps, apgd_eps=s.apgd_eps, apgd_iters=s.apgd_iters,
-                      apgd_restarts=1, autoattack_targets=s.apgd_targets,
-                      patch_fool=dict(patches=s.patch_fool_patches,
-                                      block=fool_block if token_attention else None,
-                                      steps=s.patch_fool_steps, mode="attention")))
+        settings=dict(
+            space="pixels in [0,1], normalisation inside the model",
+            fgsm_eps=s.fgsm_eps,
+            pgd_eps=s.pgd_eps,
+            pgd_step=s.pgd_step,
+            pgd_steps=s.pgd_steps,
+            apgd_eps=s.apgd_eps,
+            apgd_iters=s.apgd_iters,
+            apgd_restarts=1,
+            autoattack_targets=s.apgd_targets,
+            patch_fool=dict(
+                patches=s.patch_fool_patches,
+                block=fool_block if token_attention else None,
+                steps=s.patch_fool_steps,
+                mode="attention",
+            ),
+        ),
+    )
 
 
 SUITES = {

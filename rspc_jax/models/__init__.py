@@ -13,11 +13,13 @@ Every registered model follows one contract, which the RSPC step relies on:
   besides 1-D parameters (DeiT's `no_weight_decay()`).
 """
 
+from collections.abc import Callable
 import dataclasses
 import difflib
-from typing import Callable
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
@@ -43,8 +45,7 @@ def create(name: str, *, num_classes: int, **overrides) -> nn.Module:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(
-            f"unknown model {name!r}.{hint} Registered models: {', '.join(names())}.")
+        raise ValueError(f"unknown model {name!r}.{hint} Registered models: {', '.join(names())}.")
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     try:
@@ -57,8 +58,32 @@ def has_field(model: nn.Module, field: str) -> bool:
     return field in {f.name for f in dataclasses.fields(model)}
 
 
+def from_config(config, num_classes: int, *, bn_axis_name: str | None = None) -> nn.Module:
+    """The model of a run config: `config.model_name` with `config.model` overrides and the
+    `remat` / `scan_blocks` switches; BatchNorm statistics over `bn_axis_name` when
+    `config.bn_cross_device` (only the train step has that axis)."""
+    model = create(config.model_name, num_classes=num_classes, **dict(config.model))
+    for option in ("remat", "scan_blocks"):
+        if config.get(option):
+            if not has_field(model, option):
+                raise ValueError(
+                    f"config.{option}=True: {config.model_name} has no {option} "
+                    "option (scan_blocks: ViT/DeiT models only); set it to False"
+                )
+            model = model.clone(**{option: True})
+    if bn_axis_name and config.bn_cross_device and has_field(model, "bn_axis_name"):
+        model = model.clone(bn_axis_name=bn_axis_name)
+    return model
+
+
+def abstract_variables(model: nn.Module, image_size: int) -> dict:
+    """Shapes and dtypes of `model`'s variables at `image_size`, without computing them."""
+    return jax.eval_shape(
+        lambda: model.init(
+            jax.random.PRNGKey(0), jnp.zeros((1, image_size, image_size, 3)), train=False
+        )
+    )
+
+
 # Importing the model modules registers them.
-from rspc_jax.models import vit  # noqa: E402,F401
-from rspc_jax.models import rvt  # noqa: E402,F401
-from rspc_jax.models import fan  # noqa: E402,F401
-from rspc_jax.models import xcit  # noqa: E402,F401
+from rspc_jax.models import fan, rvt, vit, xcit  # noqa: E402,F401

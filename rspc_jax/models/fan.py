@@ -18,15 +18,13 @@ projection, ConvNeXt layer scale 1e-6).
 """
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rspc_jax.models import layers
-from rspc_jax.models import register
+from rspc_jax.models import layers, register
 
 IMAGE_SIZE = 224
 LAYERNORM_EPS = 1e-6
@@ -64,14 +62,22 @@ class LayerNorm2d(nn.Module):
         return centred * jax.lax.rsqrt(var + self.eps) * scale + bias
 
 
-def _conv(features: int, kernel: int, name: str, *, strides: int = 1, padding: int = 0,
-          init: Optional[dict] = None) -> layers.Conv:
+def _conv(
+    features: int,
+    kernel: int,
+    name: str,
+    *,
+    strides: int = 1,
+    padding: int = 0,
+    init: dict | None = None,
+) -> layers.Conv:
     """A conv with PyTorch's symmetric padding `padding` and the given initialisers."""
     return layers.Conv(features, kernel, strides, padding, **(init or {}), name=name)
 
 
-def _depthwise_conv(features: int, kernel: int, name: str, *, padding: int,
-                    init: dict) -> layers.DepthwiseConv:
+def _depthwise_conv(
+    features: int, kernel: int, name: str, *, padding: int, init: dict
+) -> layers.DepthwiseConv:
     """PyTorch Conv2d(groups=in_channels) with the given initialisers."""
     return layers.DepthwiseConv(features, kernel, padding=padding, **init, name=name)
 
@@ -117,7 +123,9 @@ class ConvNeXtBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         dim = x.shape[-1]
-        y = _depthwise_conv(dim, 7, "conv_dw", padding=3, init={"kernel_init": layers.dense_init})(x)
+        y = _depthwise_conv(dim, 7, "conv_dw", padding=3, init={"kernel_init": layers.dense_init})(
+            x
+        )
         y = ConvMlp(4 * dim, name="mlp")(LayerNorm2d(unbiased=True, name="norm")(y))
         gamma = self.param("gamma", nn.initializers.constant(CONVNEXT_LAYER_SCALE), (dim,))
         return x + y * gamma
@@ -134,8 +142,9 @@ class ConvNeXtStage(nn.Module):
     def __call__(self, x):
         if self.downsample:
             x = LayerNorm2d(unbiased=True, name="downsample_0")(x)
-            x = _conv(self.dim, 2, "downsample_1", strides=2,
-                      init={"kernel_init": layers.dense_init})(x)
+            x = _conv(
+                self.dim, 2, "downsample_1", strides=2, init={"kernel_init": layers.dense_init}
+            )(x)
         for i in range(self.depth):
             x = ConvNeXtBlock(name=f"blocks_{i}")(x)
         return x
@@ -149,8 +158,9 @@ class ConvNeXtStem(nn.Module):
 
     @nn.compact
     def __call__(self, images):
-        x = _conv(self.dims[0], 4, "stem_0", strides=4,
-                  init={"kernel_init": layers.dense_init})(images)
+        x = _conv(self.dims[0], 4, "stem_0", strides=4, init={"kernel_init": layers.dense_init})(
+            images
+        )
         x = LayerNorm2d(unbiased=False, name="stem_1")(x)
         for i, (depth, dim) in enumerate(zip(self.depths, self.dims)):
             x = ConvNeXtStage(dim, depth, downsample=i > 0, name=f"stages_{i}")(x)
@@ -168,8 +178,13 @@ class HybridEmbed(nn.Module):
     @nn.compact
     def __call__(self, images):
         x = ConvNeXtStem(self.stem_depths, self.stem_dims, name="backbone")(images)
-        return _conv(self.embed_dim, self.patch, "proj", strides=self.patch,
-                     init=_torch_conv_init(x.shape[-1], self.patch))(x)
+        return _conv(
+            self.embed_dim,
+            self.patch,
+            "proj",
+            strides=self.patch,
+            init=_torch_conv_init(x.shape[-1], self.patch),
+        )(x)
 
 
 class ConvBN(nn.Module):
@@ -178,12 +193,19 @@ class ConvBN(nn.Module):
 
     features: int
     strides: int = 2
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, *, train: bool):
-        x = layers.Conv(self.features, 3, self.strides, padding=1, use_bias=False,
-                        **_torch_conv_init(x.shape[-1], 3), name="0")(x)
+        x = layers.Conv(
+            self.features,
+            3,
+            self.strides,
+            padding=1,
+            use_bias=False,
+            **_torch_conv_init(x.shape[-1], 3),
+            name="0",
+        )(x)
         return layers.batch_norm(train, self.bn_axis_name, "1")(x)
 
 
@@ -204,19 +226,22 @@ class ConvPatchEmbed(nn.Module):
 
     embed_dim: int
     patch_size: int = 16
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, images, *, train: bool):
         if self.patch_size not in CONV_PATCH_EMBED_UNITS:
-            raise ValueError(f"conv patch embedding supports patch sizes "
-                             f"{sorted(CONV_PATCH_EMBED_UNITS)}, got {self.patch_size}")
+            raise ValueError(
+                f"conv patch embedding supports patch sizes "
+                f"{sorted(CONV_PATCH_EMBED_UNITS)}, got {self.patch_size}"
+            )
         x = images
         for i, (divisor, stride) in enumerate(CONV_PATCH_EMBED_UNITS[self.patch_size]):
             if i:
                 x = layers.gelu(x)
-            x = ConvBN(self.embed_dim // divisor, stride, self.bn_axis_name,
-                       name=f"proj_{2 * i}")(x, train=train)
+            x = ConvBN(self.embed_dim // divisor, stride, self.bn_axis_name, name=f"proj_{2 * i}")(
+                x, train=train
+            )
         return x
 
 
@@ -236,7 +261,8 @@ def fourier_features(grid: tuple[int, int]) -> np.ndarray:
     def encode(values):
         pos = values[:, None] / dim_t
         return np.stack([np.sin(pos[:, 0::2]), np.cos(pos[:, 1::2])], axis=-1).reshape(
-            len(values), FOURIER_HIDDEN)
+            len(values), FOURIER_HIDDEN
+        )
 
     pos_y = np.broadcast_to(encode(y)[:, None], (height, width, FOURIER_HIDDEN))
     pos_x = np.broadcast_to(encode(x)[None, :], (height, width, FOURIER_HIDDEN))
@@ -251,8 +277,9 @@ class PositionalEncodingFourier(nn.Module):
     @nn.compact
     def __call__(self, grid: tuple[int, int]):
         features = jnp.asarray(fourier_features(grid))[None]
-        pos = _conv(self.dim, 1, "token_projection",
-                    init=_torch_conv_init(2 * FOURIER_HIDDEN, 1))(features)
+        pos = _conv(self.dim, 1, "token_projection", init=_torch_conv_init(2 * FOURIER_HIDDEN, 1))(
+            features
+        )
         return pos.reshape(-1, self.dim)
 
 
@@ -264,12 +291,13 @@ class TokenMixing(nn.Module):
     qkv_bias: bool = True
 
     @nn.compact
-    def __call__(self, x, bias: Optional[jax.Array] = None):
+    def __call__(self, x, bias: jax.Array | None = None):
         batch, tokens, dim = x.shape
         head_dim = dim // self.num_heads
         q = _dense(dim, "q", self.qkv_bias)(x).reshape(batch, tokens, self.num_heads, head_dim)
         kv = _dense(2 * dim, "kv", self.qkv_bias)(x).reshape(
-            batch, tokens, 2, self.num_heads, head_dim)
+            batch, tokens, 2, self.num_heads, head_dim
+        )
         k, v = kv[:, :, 0], kv[:, :, 1]
         logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
         if bias is not None:
@@ -283,7 +311,7 @@ class DWConv(nn.Module):
     """Depthwise conv 3/1/1 -> GELU -> BatchNorm -> depthwise conv 3/1/1 on the token grid
     (FAN's `DWConv`; XCiT's `LPI` is the same module with PyTorch's default conv init)."""
 
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
     torch_init: bool = False
 
     @nn.compact
@@ -303,7 +331,7 @@ class ChannelMlp(nn.Module):
     """
 
     hidden_dim: int
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], *, train: bool):
@@ -321,7 +349,7 @@ class ChannelProcessing(nn.Module):
     num_heads: int
     hidden_dim: int
     qkv_bias: bool = True
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], *, train: bool):
@@ -346,7 +374,7 @@ class FANBlock(nn.Module):
     qkv_bias: bool = True
     eta: float = 1.0
     drop_path: float = 0.0
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], train: bool):
@@ -357,12 +385,11 @@ class FANBlock(nn.Module):
         scale_init = nn.initializers.constant(self.eta)
         gamma1 = self.param("gamma1", scale_init, (dim,))
         gamma2 = self.param("gamma2", scale_init, (dim,))
-        y, attn = TokenMixing(self.num_heads, self.qkv_bias, name="attn")(
-            _layer_norm("norm1")(x))
+        y, attn = TokenMixing(self.num_heads, self.qkv_bias, name="attn")(_layer_norm("norm1")(x))
         x = x + drop_path(gamma1 * y, train=train)
-        y = ChannelProcessing(self.num_heads, int(dim * self.mlp_ratio), self.qkv_bias,
-                              self.bn_axis_name, name="mlp")(
-                                  _layer_norm("norm2")(x), grid, train=train)
+        y = ChannelProcessing(
+            self.num_heads, int(dim * self.mlp_ratio), self.qkv_bias, self.bn_axis_name, name="mlp"
+        )(_layer_norm("norm2")(x), grid, train=train)
         return x + drop_path(gamma2 * y, train=train), attn
 
 
@@ -442,7 +469,7 @@ class FAN(nn.Module):
     head_init_scale: float = 1.0
     drop_path_rate: float = 0.0
     remat: bool = False
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     patch_size = 16  # hybrid: stem stride 4 * 2, HybridEmbed stride 2; ViT: four stride-2 convs
     no_weight_decay_names = ("cls_token",)  # official no_weight_decay(); `pos_embed` is a module
@@ -454,16 +481,27 @@ class FAN(nn.Module):
         x = _to_tokens(x) + PositionalEncodingFourier(self.embed_dim, name="pos_embed")(grid)
         block = layers.maybe_remat(FANBlock, self.remat, static_argnums=(2, 3))
         for i in range(self.depth):
-            x, attn = block(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
-                            self.drop_path_rate, self.bn_axis_name, name=f"blocks_{i}")(
-                                x, grid, train)
+            x, attn = block(
+                self.num_heads,
+                self.mlp_ratio,
+                self.qkv_bias,
+                self.eta,
+                self.drop_path_rate,
+                self.bn_axis_name,
+                name=f"blocks_{i}",
+            )(x, grid, train)
             layers.sow_block(self, x, attn, sow_attention)
         cls_token = self.param("cls_token", layers.dense_init, (1, 1, self.embed_dim))
         x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, self.embed_dim)), x], 1)
         for i in range(self.cls_attn_layers):
-            x, attn = ClassAttentionBlock(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
-                                          self.tokens_norm, name=f"cls_attn_blocks_{i}")(
-                                              x, train=train)
+            x, attn = ClassAttentionBlock(
+                self.num_heads,
+                self.mlp_ratio,
+                self.qkv_bias,
+                self.eta,
+                self.tokens_norm,
+                name=f"cls_attn_blocks_{i}",
+            )(x, train=train)
             layers.sow_class_attention(self, attn, sow_attention)
         x = _layer_norm("norm")(x)[:, 0]
         head_init = nn.initializers.truncated_normal(0.02 * self.head_init_scale)
@@ -471,19 +509,36 @@ class FAN(nn.Module):
 
     def _patch_embed(self, images, train: bool) -> jax.Array:
         if self.hybrid:
-            return HybridEmbed(self.embed_dim, self.hybrid_patch_size, tuple(self.stem_depths),
-                               tuple(self.stem_dims), name="patch_embed")(images)
+            return HybridEmbed(
+                self.embed_dim,
+                self.hybrid_patch_size,
+                tuple(self.stem_depths),
+                tuple(self.stem_dims),
+                name="patch_embed",
+            )(images)
         return ConvPatchEmbed(self.embed_dim, 16, self.bn_axis_name, name="patch_embed")(
-            images, train=train)
+            images, train=train
+        )
 
 
-def _variant(embed_dim: int, depth: int, num_heads: int, stem_depths: tuple[int, ...] = (),
-             head_init_scale: float = 1.0):
+def _variant(
+    embed_dim: int,
+    depth: int,
+    num_heads: int,
+    stem_depths: tuple[int, ...] = (),
+    head_init_scale: float = 1.0,
+):
     """A factory; no stem depths means the FAN-ViT ConvPatchEmbed stem."""
+
     def factory(num_classes: int, **overrides) -> FAN:
-        kwargs = dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-                      hybrid=bool(stem_depths), stem_depths=stem_depths or (3, 3),
-                      head_init_scale=head_init_scale)
+        kwargs = dict(
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            hybrid=bool(stem_depths),
+            stem_depths=stem_depths or (3, 3),
+            head_init_scale=head_init_scale,
+        )
         kwargs.update(overrides)
         return FAN(num_classes=num_classes, **kwargs)
 

@@ -9,17 +9,14 @@ arrays, so one compiled step serves every lesion and every mask of the same shap
 Blocks are numbered in forward order, as their outputs are sown (`block_outputs`).
 """
 
+from collections.abc import Sequence
 import dataclasses
-from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
 import numpy as np
 
-from rspc_jax.models import fan
-from rspc_jax.models import layers
-from rspc_jax.models import rvt
-from rspc_jax.models import xcit
+from rspc_jax.models import fan, layers, rvt, xcit
 
 # The backbone blocks whose outputs the models sow (not stem or class-attention blocks).
 BLOCK_TYPES = (layers.Block, rvt.Block, fan.FANBlock, xcit.XCABlock)
@@ -48,12 +45,13 @@ class Intervention:
     0 removes it: the block then passes its input through the skip connection).
     attention_bias: one (N, N) additive logit bias per block (None leaves it as is)."""
 
-    keep: Optional[jax.Array] = None
-    attention_bias: Optional[Sequence[Optional[jax.Array]]] = None
+    keep: jax.Array | None = None
+    attention_bias: Sequence[jax.Array | None] | None = None
 
 
-jax.tree_util.register_dataclass(Intervention, data_fields=["keep", "attention_bias"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(
+    Intervention, data_fields=["keep", "attention_bias"], meta_fields=[]
+)
 
 
 def keep_all(num_blocks: int) -> np.ndarray:
@@ -64,11 +62,13 @@ def apply(model: nn.Module, variables, images, intervention: Intervention, **kwa
     """`model.apply(variables, images, **kwargs)` with `intervention` in force."""
     if getattr(model, "scan_blocks", False):
         # The scan traces one block for all, so per-block interception cannot tell them apart.
-        raise ValueError("interventions (lesions, attention masks) need the blocks unrolled: "
-                         "set config.scan_blocks=False (the parameters are the same, so any "
-                         "checkpoint of the scanned model loads)")
-    block_index = {}   # block path -> forward-order index (remat may call a block twice)
-    enclosing = []     # (index, path) of the block being called
+        raise ValueError(
+            "interventions (lesions, attention masks) need the blocks unrolled: "
+            "set config.scan_blocks=False (the parameters are the same, so any "
+            "checkpoint of the scanned model loads)"
+        )
+    block_index = {}  # block path -> forward-order index (remat may call a block twice)
+    enclosing = []  # (index, path) of the block being called
 
     def interceptor(next_fun, args, call_kwargs, context):
         module = context.module
@@ -89,7 +89,8 @@ def apply(model: nn.Module, variables, images, intervention: Intervention, **kwa
             if not isinstance(module, TOKEN_ATTENTION_TYPES):
                 raise ValueError(
                     f"{type(module).__name__} does not attend between tokens (XCiT's XCA attends "
-                    "between channels), so an attention mask over patches does not apply to it")
+                    "between channels), so an attention mask over patches does not apply to it"
+                )
             call_kwargs = {**call_kwargs, "bias": bias}
         out = next_fun(*args, **call_kwargs)
         if intervention.keep is None:

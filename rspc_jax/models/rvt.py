@@ -15,27 +15,26 @@ official state dict is a mechanical rename (`torch_layout`, `interop`). Linear a
 PyTorch's default init, as the official model does (it only re-initialises LayerNorm).
 """
 
-from typing import Optional
-
 import flax.linen as nn
 
-from rspc_jax.models import layers
-from rspc_jax.models import register
+from rspc_jax.models import layers, ops, register
 
 STEM_CHANNELS = 32
 LINEAR_MLP_WIDTH = 768  # the official Mlp switches to Linear layers at exactly this width
 LAYERNORM_EPS = 1e-6
 
 
-def _conv(features: int, kernel: int, in_channels: int, name: str, strides: int = 1,
-          padding: int = 0) -> layers.Conv:
+def _conv(
+    features: int, kernel: int, in_channels: int, name: str, strides: int = 1, padding: int = 0
+) -> layers.Conv:
     """A conv with PyTorch's default init and symmetric padding."""
     init = layers.linear_init(in_channels * kernel * kernel, torch_init=True)
     return layers.Conv(features, kernel, strides, padding, **init, name=name)
 
 
-def _depthwise_conv(features: int, kernel: int, name: str, strides: int = 1,
-                    padding: int = 0) -> layers.DepthwiseConv:
+def _depthwise_conv(
+    features: int, kernel: int, name: str, strides: int = 1, padding: int = 0
+) -> layers.DepthwiseConv:
     """PyTorch Conv2d(groups=in_channels) with its default init (fan_in = k * k)."""
     init = layers.linear_init(kernel * kernel, torch_init=True)
     return layers.DepthwiseConv(features, kernel, strides, padding, **init, name=name)
@@ -45,13 +44,13 @@ class ConvEmbedding(nn.Module):
     """Official `conv_embedding`: conv 7/2/2 -> BN -> max-pool 3/2/1 -> conv 4/4, no activation."""
 
     out_channels: int
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, images, *, train: bool):
         x = _conv(STEM_CHANNELS, 7, images.shape[-1], strides=2, padding=2, name="proj_0")(images)
         x = layers.batch_norm(train, self.bn_axis_name, "proj_1")(x)
-        x = layers.max_pool(x, 3, strides=2, padding=1)
+        x = ops.max_pool(x, 3, strides=2, padding=1)
         return _conv(self.out_channels, 4, STEM_CHANNELS, strides=4, name="proj_3")(x)
 
 
@@ -61,7 +60,7 @@ class ConvMlp(nn.Module):
 
     hidden_dim: int
     dropout: float = 0.0
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], *, train: bool):
@@ -85,25 +84,24 @@ class Block(nn.Module):
     paas: bool = False
     drop_path: float = 0.0
     dropout: float = 0.0
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], train: bool):
         dim = x.shape[-1]
         drop_path = layers.DropPath(self.drop_path)
         y, attn = layers.Attention(
-            self.num_heads, dropout=self.dropout, torch_init=True,
-            paas=self.paas, name="attn")(
-                nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm1")(x), train=train)
+            self.num_heads, dropout=self.dropout, torch_init=True, paas=self.paas, name="attn"
+        )(nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm1")(x), train=train)
         x = x + drop_path(y, train=train)
         y = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm2")(x)
         hidden = int(dim * self.mlp_ratio)
         if dim == LINEAR_MLP_WIDTH:
             y = layers.Mlp(hidden, dropout=self.dropout, torch_init=True, name="mlp")(
-                y, train=train)
+                y, train=train
+            )
         else:
-            y = ConvMlp(hidden, self.dropout, self.bn_axis_name, name="mlp")(
-                y, grid, train=train)
+            y = ConvMlp(hidden, self.dropout, self.bn_axis_name, name="mlp")(y, grid, train=train)
         return x + drop_path(y, train=train), attn
 
 
@@ -116,7 +114,7 @@ class Transformer(nn.Module):
     masked_block: int = 0
     dropout: float = 0.0
     remat: bool = False
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, *, train: bool):
@@ -125,10 +123,15 @@ class Transformer(nn.Module):
         outputs = []
         block = layers.maybe_remat(Block, self.remat, static_argnums=(2, 3))
         for i, rate in enumerate(self.drop_path_rates):
-            x, attn = block(self.num_heads, self.mlp_ratio, paas=i < self.masked_block,
-                            drop_path=rate, dropout=self.dropout,
-                            bn_axis_name=self.bn_axis_name, name=f"blocks_{i}")(
-                                x, (height, width), train)
+            x, attn = block(
+                self.num_heads,
+                self.mlp_ratio,
+                paas=i < self.masked_block,
+                drop_path=rate,
+                dropout=self.dropout,
+                bn_axis_name=self.bn_axis_name,
+                name=f"blocks_{i}",
+            )(x, (height, width), train)
             outputs.append((x, attn))
         return x.reshape(batch, height, width, channels), outputs
 
@@ -163,7 +166,7 @@ class RVT(nn.Module):
     drop_path_rate: float = 0.0
     dropout: float = 0.0
     remat: bool = False
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     patch_size = 16  # stem stride 2 * 2 * 4
     no_weight_decay_names = ()  # the official no_weight_decay() names no RVT parameter
@@ -179,24 +182,37 @@ class RVT(nn.Module):
                 x = ConvHeadPooling(widths[stage], name=f"pools_{stage - 1}")(x)
             start = sum(self.depth[:stage])
             x, outputs = Transformer(
-                self.heads[stage], self.mlp_ratio, tuple(rates[start:start + depth]),
-                masked_block=self.masked_block if stage == 0 else 0, dropout=self.dropout,
-                remat=self.remat, bn_axis_name=self.bn_axis_name, name=f"transformers_{stage}")(x, train=train)
+                self.heads[stage],
+                self.mlp_ratio,
+                tuple(rates[start : start + depth]),
+                masked_block=self.masked_block if stage == 0 else 0,
+                dropout=self.dropout,
+                remat=self.remat,
+                bn_axis_name=self.bn_axis_name,
+                name=f"transformers_{stage}",
+            )(x, train=train)
             for tokens, attn in outputs:
                 layers.sow_block(self, tokens, attn, sow_attention)
         x = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm")(x.mean(axis=(1, 2)))
-        return nn.Dense(self.num_classes, **layers.linear_init(widths[-1], torch_init=True),
-                        name="head")(x)
+        return nn.Dense(
+            self.num_classes, **layers.linear_init(widths[-1], torch_init=True), name="head"
+        )(x)
 
     def _widths(self) -> list[int]:
         if not len(self.base_dims) == len(self.depth) == len(self.heads):
-            raise ValueError(f"base_dims {self.base_dims}, depth {self.depth} and heads "
-                             f"{self.heads} need one entry per stage")
+            raise ValueError(
+                f"base_dims {self.base_dims}, depth {self.depth} and heads "
+                f"{self.heads} need one entry per stage"
+            )
         return [dim * heads for dim, heads in zip(self.base_dims, self.heads)]
 
 
-def _variant(base_dims: tuple[int, ...], depth: tuple[int, ...], heads: tuple[int, ...],
-             masked_block: int = 0):
+def _variant(
+    base_dims: tuple[int, ...],
+    depth: tuple[int, ...],
+    heads: tuple[int, ...],
+    masked_block: int = 0,
+):
     def factory(num_classes: int, **overrides) -> RVT:
         kwargs = dict(base_dims=base_dims, depth=depth, heads=heads, masked_block=masked_block)
         kwargs.update(overrides)

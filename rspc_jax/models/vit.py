@@ -6,14 +6,12 @@ Parameter names follow timm's PyTorch attributes (`patch_embed/proj`, `cls_token
 """
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rspc_jax.models import layers
-from rspc_jax.models import register
+from rspc_jax.models import layers, register
 
 
 class PatchEmbed(nn.Module):
@@ -69,7 +67,8 @@ class ViT(nn.Module):
             num_convs = int(math.log2(self.patch_size))
             if 2**num_convs != self.patch_size:
                 raise ValueError(
-                    f"stem='conv' needs a power-of-two patch_size, got {self.patch_size}")
+                    f"stem='conv' needs a power-of-two patch_size, got {self.patch_size}"
+                )
             x = images
             for i in range(num_convs):
                 channels = self.width // 2 ** (num_convs - 1 - i)
@@ -80,13 +79,20 @@ class ViT(nn.Module):
         raise ValueError(f"unknown stem {self.stem!r}; use 'patch' or 'conv'")
 
     @nn.compact
-    def __call__(self, images, *, train: bool, sow_attention: bool = False,
-                 token_keep: Optional[jax.Array] = None):
+    def __call__(
+        self,
+        images,
+        *,
+        train: bool,
+        sow_attention: bool = False,
+        token_keep: jax.Array | None = None,
+    ):
         height, width = images.shape[1:3]
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(
                 f"image size {height}x{width} is not divisible by patch_size "
-                f"{self.patch_size}; pick an image size that is a multiple of it")
+                f"{self.patch_size}; pick an image size that is a multiple of it"
+            )
         x = self._embed(images)
         batch, grid_h, grid_w, _ = x.shape
         x = x.reshape(batch, grid_h * grid_w, self.width)  # row-major token order
@@ -95,8 +101,9 @@ class ViT(nn.Module):
             x = jnp.concatenate([jnp.broadcast_to(cls, (batch, 1, self.width)), x], axis=1)
         elif self.pool != "avg":
             raise ValueError(f"unknown pool {self.pool!r}; use 'token' or 'avg'")
-        pos = self.param("pos_embed", nn.initializers.truncated_normal(0.02),
-                         (1, x.shape[1], self.width))
+        pos = self.param(
+            "pos_embed", nn.initializers.truncated_normal(0.02), (1, x.shape[1], self.width)
+        )
         x = nn.Dropout(self.dropout, deterministic=not train)(x + pos)
         if token_keep is not None and self.pool == "token":
             token_keep = jnp.concatenate([jnp.ones_like(token_keep[:, :1]), token_keep], axis=1)
@@ -108,9 +115,14 @@ class ViT(nn.Module):
         else:
             block = layers.maybe_remat(layers.Block, self.remat, static_argnums=(2,))
             for i, rate in enumerate(rates):
-                x, attn = block(self.num_heads, mlp_dim, drop_path=rate, dropout=self.dropout,
-                                layernorm_eps=self.layernorm_eps, name=f"blocks_{i}")(
-                                    x, train, token_keep)
+                x, attn = block(
+                    self.num_heads,
+                    mlp_dim,
+                    drop_path=rate,
+                    dropout=self.dropout,
+                    layernorm_eps=self.layernorm_eps,
+                    name=f"blocks_{i}",
+                )(x, train, token_keep)
                 layers.sow_block(self, x, attn, sow_attention)
 
         if self.pool == "token":
@@ -120,7 +132,8 @@ class ViT(nn.Module):
         else:
             keep = token_keep[..., None].astype(x.dtype)
             x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(
-                (x * keep).sum(axis=1) / keep.sum(axis=1))
+                (x * keep).sum(axis=1) / keep.sum(axis=1)
+            )
         return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
 
     def _scanned_blocks(self, x, rates, mlp_dim, train, token_keep, sow_attention):
@@ -141,9 +154,14 @@ class ViT(nn.Module):
 
         def body(carry, layer):
             block_params, rate, index = layer
-            block = layers.Block(self.num_heads, mlp_dim, drop_path=rate if varying_rate else 0.0,
-                                 dropout=self.dropout, layernorm_eps=self.layernorm_eps,
-                                 parent=None)
+            block = layers.Block(
+                self.num_heads,
+                mlp_dim,
+                drop_path=rate if varying_rate else 0.0,
+                dropout=self.dropout,
+                layernorm_eps=self.layernorm_eps,
+                parent=None,
+            )
             rngs = {"dropout": jax.random.fold_in(dropout_key, index)} if train else {}
             out, attn = block.apply({"params": block_params}, carry, train, token_keep, rngs=rngs)
             return out, (out, attn if sow_attention else None)
@@ -151,15 +169,16 @@ class ViT(nn.Module):
         if self.remat:
             body = jax.checkpoint(body)
         _, (outputs, attention) = jax.lax.scan(
-            body, x, (stacked, jnp.asarray(rates, jnp.float32), jnp.arange(self.depth)))
+            body, x, (stacked, jnp.asarray(rates, jnp.float32), jnp.arange(self.depth))
+        )
         for i in range(self.depth):
-            layers.sow_block(self, outputs[i], None if attention is None else attention[i],
-                             sow_attention)
+            layers.sow_block(
+                self, outputs[i], None if attention is None else attention[i], sow_attention
+            )
         return outputs[-1]
 
 
-def _variant(width: int, depth: int, num_heads: int, patch_size: int,
-             **defaults) -> callable:
+def _variant(width: int, depth: int, num_heads: int, patch_size: int, **defaults) -> callable:
     def factory(num_classes: int, **overrides) -> ViT:
         kwargs = dict(width=width, depth=depth, num_heads=num_heads, patch_size=patch_size)
         kwargs.update(defaults)

@@ -10,15 +10,11 @@ copied from XCiT, so they are shared with `fan.py`. RSPC aligns the XCA blocks; 
 maps sown on request are the d x d channel maps (B, heads, d, d).
 """
 
-from typing import Optional
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rspc_jax.models import fan
-from rspc_jax.models import layers
-from rspc_jax.models import register
+from rspc_jax.models import fan, layers, register
 
 L2_NORMALIZE_EPS = 1e-12  # F.normalize default
 
@@ -40,9 +36,9 @@ class XCA(nn.Module):
         heads, head_dim = self.num_heads, dim // self.num_heads
         temperature = self.param("temperature", nn.initializers.ones, (heads, 1, 1))
         qkv = fan._dense(3 * dim, "qkv", self.qkv_bias)(x).reshape(
-            batch, tokens, 3, heads, head_dim)
-        q, k, v = (_l2_normalize(qkv[:, :, i], axis=1) if i < 2 else qkv[:, :, i]
-                   for i in range(3))
+            batch, tokens, 3, heads, head_dim
+        )
+        q, k, v = (_l2_normalize(qkv[:, :, i], axis=1) if i < 2 else qkv[:, :, i] for i in range(3))
         logits = jnp.einsum("bnhc,bnhd->bhcd", q, k) * temperature
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bhcd,bnhd->bnhc", attn, v).reshape(batch, tokens, dim)
@@ -57,7 +53,7 @@ class XCABlock(nn.Module):
     qkv_bias: bool = True
     eta: float = 1.0
     drop_path: float = 0.0
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], train: bool):
@@ -72,10 +68,12 @@ class XCABlock(nn.Module):
         y, attn = XCA(self.num_heads, self.qkv_bias, name="attn")(fan._layer_norm("norm1")(x))
         x = x + drop_path(gamma1 * y, train=train)
         y = fan.DWConv(self.bn_axis_name, torch_init=True, name="local_mp")(
-            fan._layer_norm("norm3")(x), grid, train=train)
+            fan._layer_norm("norm3")(x), grid, train=train
+        )
         x = x + drop_path(gamma3 * y, train=train)
-        y = layers.Mlp(int(dim * self.mlp_ratio), name="mlp")(fan._layer_norm("norm2")(x),
-                                                              train=train)
+        y = layers.Mlp(int(dim * self.mlp_ratio), name="mlp")(
+            fan._layer_norm("norm2")(x), train=train
+        )
         return x + drop_path(gamma2 * y, train=train), attn
 
 
@@ -104,7 +102,7 @@ class XCiT(nn.Module):
     tokens_norm: bool = True
     drop_path_rate: float = 0.0
     remat: bool = False
-    bn_axis_name: Optional[str] = None
+    bn_axis_name: str | None = None
 
     no_weight_decay_names = ("cls_token",)  # timm no_weight_decay(); `pos_embed` is a module
 
@@ -112,35 +110,61 @@ class XCiT(nn.Module):
     def __call__(self, images, *, train: bool, sow_attention: bool = False):
         height, width = images.shape[1:3]
         if height % self.patch_size or width % self.patch_size:
-            raise ValueError(f"image size {height}x{width} is not divisible by patch_size "
-                             f"{self.patch_size}")
-        x = fan.ConvPatchEmbed(self.embed_dim, self.patch_size, self.bn_axis_name,
-                               name="patch_embed")(images, train=train)
+            raise ValueError(
+                f"image size {height}x{width} is not divisible by patch_size {self.patch_size}"
+            )
+        x = fan.ConvPatchEmbed(
+            self.embed_dim, self.patch_size, self.bn_axis_name, name="patch_embed"
+        )(images, train=train)
         grid = x.shape[1:3]
         x = fan._to_tokens(x) + fan.PositionalEncodingFourier(self.embed_dim, name="pos_embed")(
-            grid)
+            grid
+        )
         block = layers.maybe_remat(XCABlock, self.remat, static_argnums=(2, 3))
         for i in range(self.depth):
-            x, attn = block(self.num_heads, self.mlp_ratio, self.qkv_bias, self.eta,
-                            self.drop_path_rate, self.bn_axis_name, name=f"blocks_{i}")(
-                                x, grid, train)
+            x, attn = block(
+                self.num_heads,
+                self.mlp_ratio,
+                self.qkv_bias,
+                self.eta,
+                self.drop_path_rate,
+                self.bn_axis_name,
+                name=f"blocks_{i}",
+            )(x, grid, train)
             layers.sow_block(self, x, attn, sow_attention)
         cls_token = self.param("cls_token", layers.dense_init, (1, 1, self.embed_dim))
         x = jnp.concatenate([jnp.broadcast_to(cls_token, (x.shape[0], 1, self.embed_dim)), x], 1)
         for i in range(self.cls_attn_layers):
-            x, attn = fan.ClassAttentionBlock(self.num_heads, self.mlp_ratio, self.qkv_bias,
-                                              self.eta, self.tokens_norm,
-                                              name=f"cls_attn_blocks_{i}")(x, train=train)
+            x, attn = fan.ClassAttentionBlock(
+                self.num_heads,
+                self.mlp_ratio,
+                self.qkv_bias,
+                self.eta,
+                self.tokens_norm,
+                name=f"cls_attn_blocks_{i}",
+            )(x, train=train)
             layers.sow_class_attention(self, attn, sow_attention)
         x = fan._layer_norm("norm")(x)[:, 0]
         return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
 
 
-def _variant(embed_dim: int, depth: int, num_heads: int, patch_size: int, eta: float,
-             tokens_norm: bool = True):
+def _variant(
+    embed_dim: int,
+    depth: int,
+    num_heads: int,
+    patch_size: int,
+    eta: float,
+    tokens_norm: bool = True,
+):
     def factory(num_classes: int, **overrides) -> XCiT:
-        kwargs = dict(embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-                      patch_size=patch_size, eta=eta, tokens_norm=tokens_norm)
+        kwargs = dict(
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            patch_size=patch_size,
+            eta=eta,
+            tokens_norm=tokens_norm,
+        )
         kwargs.update(overrides)
         return XCiT(num_classes=num_classes, **kwargs)
 

@@ -1,0 +1,158 @@
+"""Window ops (dense and depthwise convolution, max-pooling) with two implementations
+behind one switch, so the models read the same on every backend.
+
+XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
+matrix products and elementwise ops, so on CPU these ops are written as gathered windows
+(im2col products, shifted multiply-adds, a maximum of shifted views); GPUs and TPUs run
+XLA's own ops, which their compilers handle well. Both give the same numbers to float32
+rounding (tests/test_layers.py). The switch: `RSPC_JAX_WINDOW_OPS` = auto (default: windows
+on CPU, XLA's ops elsewhere) | windows | xla, or `implementation(...)` in code.
+"""
+
+import contextlib
+import functools
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+CHOICES = ("auto", "windows", "xla")
+_choice = os.environ.get("RSPC_JAX_WINDOW_OPS", "auto")
+
+
+def use_window_ops() -> bool:
+    """Whether models trace the window implementations (read at trace time)."""
+    if _choice not in CHOICES:
+        raise ValueError(f"RSPC_JAX_WINDOW_OPS={_choice!r} is not one of {CHOICES}")
+    return _choice == "windows" or (_choice == "auto" and jax.default_backend() == "cpu")
+
+
+@contextlib.contextmanager
+def implementation(choice: str):
+    """Traces the models with `choice` ('auto', 'windows' or 'xla') inside the block."""
+    global _choice
+    if choice not in CHOICES:
+        raise ValueError(f"window-op implementation {choice!r} is not one of {CHOICES}")
+    previous, _choice = _choice, choice
+    try:
+        yield
+    finally:
+        _choice = previous
+
+
+def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """A square dense convolution, NHWC input, HWIO kernel."""
+    return (conv_im2col if use_window_ops() else conv_reference)(x, kernel, strides, padding)
+
+
+def depthwise_conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """A grouped convolution with one group per input channel (PyTorch groups=C_in)."""
+    impl = depthwise_conv_shifted if use_window_ops() else grouped_conv_reference
+    return impl(x, kernel, strides, padding)
+
+
+def _windows(x: jax.Array, size: int, strides: int, padding: int, pad_value=0.0):
+    """The size*size strided views of x (NHWC) whose elementwise combination is a
+    size x size window op (conv, pooling), in kernel (row, column) order."""
+    height = (x.shape[1] + 2 * padding - size) // strides + 1
+    width = (x.shape[2] + 2 * padding - size) // strides + 1
+    x = jnp.pad(
+        x, ((0, 0), (padding, padding), (padding, padding), (0, 0)), constant_values=pad_value
+    )
+    return [
+        x[
+            :,
+            i : i + strides * (height - 1) + 1 : strides,
+            j : j + strides * (width - 1) + 1 : strides,
+        ]
+        for i in range(size)
+        for j in range(size)
+    ]
+
+
+def conv_im2col(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """A dense conv (kernel HWIO) as one matrix product over the gathered windows (im2col).
+
+    Hand-written because XLA:CPU's convolutions are far slower than its matrix products
+    (jax 0.10.2, 2-core CPU, forward+backward at batch 16: RVT's 7x7/2 stem conv 0.75 s =
+    7 GFLOP/s; a 1x1 conv 192->768 97 ms, the same product as a matmul 35 ms)."""
+    size = kernel.shape[0]
+    batch, height, width, channels = x.shape
+    if size == strides and padding == 0 and height % size == 0 and width % size == 0:
+        # Non-overlapping windows (patch embeddings, 1x1 convs): a reshape gathers them.
+        patches = x.reshape(batch, height // size, size, width // size, size, channels)
+        patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
+            batch, height // size, width // size, size * size * channels
+        )
+    else:
+        patches = jnp.concatenate(_windows(x, size, strides, padding), axis=-1)
+    return patches @ kernel.reshape(-1, kernel.shape[-1])
+
+
+def conv_reference(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """`conv_im2col` as XLA's convolution (what accelerators run)."""
+    return jax.lax.conv_general_dilated(
+        x,
+        kernel,
+        (strides, strides),
+        ((padding, padding), (padding, padding)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+
+
+def max_pool(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:
+    """PyTorch MaxPool2d (padding counts as -inf)."""
+    if not use_window_ops():
+        return max_pool_reference(x, size, strides, padding)
+    return max_pool_windows(x, size, strides, padding)
+
+
+def max_pool_windows(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:
+    """The maximum of the size*size strided views: XLA:CPU's pooling gradient
+    (select-and-scatter) took 0.18 s at RVT's stem size (batch 16, 111x111x32). A tie inside
+    a window shares the gradient equally instead of giving it to one element (ties do not
+    occur in real feature maps)."""
+    return functools.reduce(jnp.maximum, _windows(x, size, strides, padding, -jnp.inf))
+
+
+def max_pool_reference(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:
+    """XLA's reduce-window max-pooling (what accelerators run)."""
+    pad = ((padding, padding), (padding, padding))
+    return nn.max_pool(x, (size, size), strides=(strides, strides), padding=pad)
+
+
+def depthwise_conv_shifted(
+    x: jax.Array, kernel: jax.Array, strides: int, padding: int
+) -> jax.Array:
+    """Grouped conv with one group per input channel (PyTorch groups=C_in), kernel
+    (k, k, 1, C_in * m), NHWC: output channel o reads input channel o // m.
+
+    Written as k*k shifted multiply-adds rather than `lax.conv(feature_group_count=C_in)`
+    because XLA:CPU runs grouped convolutions, and far more their gradients, as generic
+    loops: at RVT-Ti's MLP width (768 channels, 14x14, batch 16) the forward+backward took
+    0.90 s as a grouped conv and 0.08 s as shifted products (jax 0.10.2, 2-core CPU).
+    The sum is exact elementwise arithmetic, so the result matches the conv to rounding.
+    """
+    multiplier = kernel.shape[-1] // x.shape[-1]
+    if multiplier > 1:
+        x = jnp.repeat(x, multiplier, axis=-1)
+    size = kernel.shape[0]
+    windows = _windows(x, size, strides, padding)
+    return functools.reduce(
+        jnp.add, [w * kernel[i // size, i % size, 0] for i, w in enumerate(windows)]
+    )
+
+
+def grouped_conv_reference(
+    x: jax.Array, kernel: jax.Array, strides: int, padding: int
+) -> jax.Array:
+    """`depthwise_conv_shifted` as XLA's grouped convolution (what accelerators run)."""
+    return jax.lax.conv_general_dilated(
+        x,
+        kernel,
+        (strides, strides),
+        ((padding, padding), (padding, padding)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=x.shape[-1],
+    )

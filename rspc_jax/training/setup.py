@@ -1,0 +1,198 @@
+"""What a run config resolves to before training: checked settings, the model, the
+step's static settings, the optimizers and the jitted sharded train step."""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import tensorflow as tf
+
+from rspc_jax import models, parallel, rspc
+from rspc_jax.data import specs as datasets
+from rspc_jax.data import train as train_data
+from rspc_jax.training import adversarial as adversarial_training
+from rspc_jax.training import optim
+from rspc_jax.training import step as train_step_lib
+
+_CHOICES = {
+    "rspc.ste": ("clip", "identity"),
+    "rspc.noise_space": ("normalized", "pixel"),
+    "rspc.clamp": ("imagenet", "dataset", "none"),
+    "rspc.selection": ("learned", "random"),
+    "rspc.objective": ("align", "ce"),
+    "rspc.fill": ("noise", "zero", "drop"),
+    "adversarial.method": adversarial_training.METHODS,
+    "adversarial.attack_bn": ("train", "eval"),
+    "block_each_step": ("auto", "yes", "no"),
+    "compute_dtype": ("float32", "bfloat16"),
+    "patch_aug": ("off", "official", "intended"),
+    "init_head": ("load", "reset"),
+}
+
+
+def _get(config, dotted: str):
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Fails on bad settings before anything is built or compiled."""
+    for key, choices in _CHOICES.items():
+        if _get(config, key) not in choices:
+            raise ValueError(f"config.{key}={_get(config, key)!r} is not one of {choices}")
+    if config.rspc.enabled:
+        rspc.check_ratio(config.rspc.rho)
+    if config.rspc.enabled and config.adversarial.method != "none":
+        raise ValueError(
+            f"config.adversarial.method={config.adversarial.method!r} is a baseline "
+            "that replaces RSPC; set config.rspc.enabled=False"
+        )
+    if config.adversarial.method != "none" and not 0 < config.adversarial.eps <= 1:
+        raise ValueError(
+            f"config.adversarial.eps={config.adversarial.eps} must be in (0, 1] "
+            "(pixels in [0, 1]; e.g. 4/255)"
+        )
+    if config.batch_size <= 0 or config.eval_batch_size <= 0:
+        raise ValueError("batch_size and eval_batch_size must be positive")
+    parallel.check_batch_size(config.batch_size)
+    parallel.check_batch_size(config.eval_batch_size, "eval_batch_size")
+    try:
+        train_data.check_augmentation(
+            rand_augment=config.rand_augment,
+            random_erase_prob=config.random_erase_prob,
+            repeated_augment=config.repeated_augment,
+            eval_preprocess=config.eval_preprocess,
+        )
+    except ValueError as error:
+        raise ValueError(f"bad augmentation setting in the config: {error}") from None
+    if config.keep_best not in ("", "accuracy", "fgsm_accuracy"):
+        raise ValueError(
+            f"config.keep_best={config.keep_best!r} is not one of ('', 'accuracy', 'fgsm_accuracy')"
+        )
+    if config.keep_best == "fgsm_accuracy" and config.eval_fgsm_eps <= 0:
+        raise ValueError("config.keep_best='fgsm_accuracy' needs config.eval_fgsm_eps > 0")
+    if config.init_from and not tf.io.gfile.exists(config.init_from):
+        raise FileNotFoundError(f"config.init_from: checkpoint {config.init_from} does not exist")
+
+
+def build_model(config, num_classes: int):
+    """The run's model for the train step (BatchNorm over the data axis if configured)."""
+    return models.from_config(config, num_classes, bn_axis_name=parallel.DATA_AXIS)
+
+
+def check_model_fits(config, model) -> None:
+    """The image size divides into the model's and RSPC's patches; token dropping has a
+    model that supports it, with one RSPC patch per token."""
+    if config.rspc.enabled and config.rspc.fill == "drop":
+        if not getattr(model, "supports_token_dropping", False):
+            raise ValueError(
+                f"config.rspc.fill='drop' removes tokens from the sequence, which {config.model_name} "
+                "cannot do (RVT, FAN and XCiT mix tokens with convolutions on the token grid); "
+                "use a ViT/DeiT model or fill='noise'/'zero'"
+            )
+        if rspc.corruption_patch_size(config.rspc, model) != model.patch_size:
+            raise ValueError(
+                f"config.rspc.fill='drop' needs rspc.patch_size equal to the model's "
+                f"token size {model.patch_size}; leave rspc.patch_size at 0"
+            )
+    sizes = {"model patch_size": model.patch_size}
+    if config.rspc.enabled:
+        sizes["rspc.patch_size"] = rspc.corruption_patch_size(config.rspc, model)
+    for what, patch in sizes.items():
+        if config.image_size % patch:
+            raise ValueError(
+                f"image_size {config.image_size} is not divisible by the {what} {patch}; "
+                f"use an image size that is a multiple of {patch}"
+            )
+
+
+def step_settings(
+    config, spec: datasets.DatasetSpec, steps_per_epoch: int = 1
+) -> train_step_lib.StepSettings:
+    """Resolves the RSPC (or adversarial-training) switches into the static numbers the
+    step needs; `steps_per_epoch` times the eps warm-up."""
+    r = config.rspc
+    noise_mean, noise_std, lower, upper = rspc.occlusion_fill(r, spec.mean, spec.std)
+    mix = config.mixup
+    mixup = None
+    if mix.mixup_alpha > 0 or mix.cutmix_alpha > 0:
+        mixup = dict(
+            mixup_alpha=mix.mixup_alpha,
+            cutmix_alpha=mix.cutmix_alpha,
+            switch_prob=mix.switch_prob,
+            prob=mix.prob,
+        )
+    return train_step_lib.StepSettings(
+        num_classes=spec.num_classes,
+        rspc_enabled=r.enabled,
+        rho=r.rho,
+        lam=r.lam,
+        ste_clip=1.0 if r.ste == "clip" else None,
+        occ_grad_scale=r.occ_grad_scale,
+        noise_mean=noise_mean,
+        noise_std=noise_std,
+        clamp_lower=lower,
+        clamp_upper=upper,
+        random_selection=r.selection == "random",
+        align_blocks=tuple(r.align_blocks) or None,
+        label_smoothing=config.label_smoothing,
+        mixup=mixup,
+        ema_decay=config.ema_decay,
+        compute_dtype=compute_dtype(config),
+        patch_aug=config.patch_aug,
+        rspc_objective=r.objective,
+        fill=r.fill,
+        adversarial=adversarial_training.resolve(config, steps_per_epoch),
+        pixel_mean=tuple(spec.mean),
+        pixel_std=tuple(spec.std),
+    )
+
+
+def compute_dtype(config):
+    """None for float32 (no casts), else the jnp dtype of the forward pass."""
+    return None if config.compute_dtype == "float32" else jnp.dtype(config.compute_dtype)
+
+
+class Parts(NamedTuple):
+    init: Callable  # rng -> replicated TrainState
+    train_step: Callable  # (state, global batch) -> (state, metrics)
+
+
+def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> Parts:
+    """Optimizers, state initialiser and the jitted sharded steps for `mesh`."""
+    image_shape = (config.image_size, config.image_size, 3)
+    occ_model = (
+        rspc.PatchCorruptionModel(rspc.corruption_patch_size(config.rspc, model))
+        if config.rspc.enabled
+        else None
+    )
+    opt = config.optimizer
+    schedule = optim.learning_rate(
+        opt,
+        batch_size=config.batch_size,
+        total_steps=total_steps,
+        warmup_steps=int(opt.warmup_epochs * steps_per_epoch),
+        cooldown_steps=int(opt.cooldown_epochs * steps_per_epoch),
+    )
+    abstract_params = models.abstract_variables(model, config.image_size)["params"]
+    tx = optim.classifier_optimizer(opt, schedule, abstract_params, model.no_weight_decay_names)
+    occ_tx = rspc.corruption_optimizer(config.rspc.optimizer)
+    init = jax.jit(
+        lambda rng: train_step_lib.create_train_state(
+            rng, model, occ_model, image_shape, tx, occ_tx, ema=config.ema_decay > 0
+        ),
+        out_shardings=parallel.replicated(mesh),
+    )
+    train_step = train_step_lib.make_train_step(
+        mesh,
+        model=model,
+        occ_model=occ_model,
+        tx=tx,
+        occ_tx=occ_tx,
+        schedule=schedule,
+        settings=step_settings(config, spec, steps_per_epoch),
+    )
+    return Parts(init, train_step)
