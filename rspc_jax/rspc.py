@@ -172,11 +172,11 @@ def uniform_noise(rng: jax.Array, example_ids: jax.Array, image_shape) -> jax.Ar
 
 
 def corrupt_batch(
-    occ_params,
+    corruption_params,
     images,
     noise,
     *,
-    occ_model,
+    corruption_model,
     rho,
     ste_clip,
     grad_scale,
@@ -191,14 +191,17 @@ def corrupt_batch(
     `mask_probe` (zeros (B, N)) is added to the mask so that its gradient exposes the
     gradient reaching the STE (for the saturation diagnostics).
     """
-    scores = occ_model.apply({"params": occ_params}, images)
+    scores = corruption_model.apply({"params": corruption_params}, images)
     if random_scores is not None:
         scores = random_scores
     mask = binarize(scores, rho, ste_clip, grad_scale)
     if mask_probe is not None:
         mask = mask + mask_probe
-    grid = (images.shape[1] // occ_model.patch_size, images.shape[2] // occ_model.patch_size)
-    pixel_keep = patch_mask_to_pixels(mask, grid, occ_model.patch_size).astype(images.dtype)
+    grid = (
+        images.shape[1] // corruption_model.patch_size,
+        images.shape[2] // corruption_model.patch_size,
+    )
+    pixel_keep = patch_mask_to_pixels(mask, grid, corruption_model.patch_size).astype(images.dtype)
     return occlude(images, pixel_keep, noise, lower, upper), mask
 
 
@@ -215,14 +218,14 @@ def apply_model(model, params, batch_stats, images, *, compute_dtype=None, **kwa
 
 def rspc_loss(
     params,
-    occ_params,
+    corruption_params,
     batch_stats,
     images,
     targets,
     noise,
     *,
     model,
-    occ_model,
+    corruption_model,
     rho,
     lam,
     ste_clip,
@@ -240,7 +243,8 @@ def rspc_loss(
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
-    official DDP code. Returns (total, aux) with aux holding the parts and new state.
+    official DDP code. Returns (total, aux) with aux holding the parts (`align`, or
+    `occluded_ce` for objective="ce") and the new state.
     objective='ce' (ablation) replaces L_align by CE on the occluded images, so C ascends
     lam * CE(x_hat) and the classifier trains on clean and occluded data.
     drop_tokens (ablation, models with `supports_token_dropping`): the selected patches
@@ -248,10 +252,10 @@ def rspc_loss(
     model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
     """
     corrupted, mask = corrupt_batch(
-        occ_params,
+        corruption_params,
         images,
         noise,
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         rho=rho,
         ste_clip=ste_clip,
         grad_scale=grad_scale,
@@ -277,18 +281,15 @@ def rspc_loss(
     )
     corrupted_logits, clean_logits = jnp.split(logits, 2)
     ce = cross_entropy(clean_logits, targets)
+    aux = dict(ce=ce, logits=clean_logits, keep=mask, batch_stats=state.get("batch_stats", {}))
     if objective == "ce":
-        align = cross_entropy(corrupted_logits, targets)  # logged as 'align' too
+        aux["occluded_ce"] = term = cross_entropy(corrupted_logits, targets)
     else:
         block_outputs = state["intermediates"]["block_outputs"]
         if align_blocks is not None:
             block_outputs = [block_outputs[i] for i in align_blocks]
-        align = alignment_loss(block_outputs, token_keep)
-    total = ce + lam * align
-    aux = dict(
-        ce=ce, align=align, logits=clean_logits, keep=mask, batch_stats=state.get("batch_stats", {})
-    )
-    return total, aux
+        aux["align"] = term = alignment_loss(block_outputs, token_keep)
+    return ce + lam * term, aux
 
 
 def plain_loss(params, batch_stats, images, targets, *, model, rngs, compute_dtype=None):

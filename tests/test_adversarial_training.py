@@ -179,14 +179,14 @@ def test_trades_with_beta_zero_is_clean_training(tiny):
 
 def test_random_selection_occludes_as_many_patches_as_the_corruption_model(tiny):
     _, _, images, _ = tiny
-    occ_model = rspc.PatchCorruptionModel(8)
-    occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
+    corruption_model = rspc.PatchCorruptionModel(8)
+    corruption_params = corruption_model.init(jax.random.PRNGKey(5), images[:1])["params"]
     corrupt = functools.partial(
         rspc.corrupt_batch,
-        occ_params,
+        corruption_params,
         images,
         jnp.zeros_like(images),
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         rho=0.25,
         ste_clip=1.0,
         grad_scale=1.0,
@@ -203,12 +203,12 @@ def test_random_selection_occludes_as_many_patches_as_the_corruption_model(tiny)
 
 def test_ce_objective_sends_the_occluded_cross_entropy_to_the_corruption_model(tiny):
     model, params, images, targets = tiny
-    occ_model = rspc.PatchCorruptionModel(8)
-    occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
+    corruption_model = rspc.PatchCorruptionModel(8)
+    corruption_params = corruption_model.init(jax.random.PRNGKey(5), images[:1])["params"]
     noise = jax.random.uniform(jax.random.PRNGKey(7), images.shape)
     common = dict(
         model=model,
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         rho=0.25,
         lam=0.7,
         ste_clip=None,
@@ -218,17 +218,17 @@ def test_ce_objective_sends_the_occluded_cross_entropy_to_the_corruption_model(t
         rngs={"dropout": jax.random.PRNGKey(4)},
     )
 
-    def ours(occ_params, objective):
+    def ours(corruption_params, objective):
         return rspc.rspc_loss(
-            params, occ_params, {}, images, targets, noise, objective=objective, **common
+            params, corruption_params, {}, images, targets, noise, objective=objective, **common
         )[0]
 
-    def direct(occ_params):
+    def direct(corruption_params):
         corrupted, _ = rspc.corrupt_batch(
-            occ_params,
+            corruption_params,
             images,
             noise,
-            occ_model=occ_model,
+            corruption_model=corruption_model,
             rho=0.25,
             ste_clip=None,
             grad_scale=1.0,
@@ -240,9 +240,9 @@ def test_ce_objective_sends_the_occluded_cross_entropy_to_the_corruption_model(t
         )
         return 0.7 * rspc.cross_entropy(logits, targets)
 
-    grad_ce = jax.grad(ours)(occ_params, "ce")
-    grad_direct = jax.grad(direct)(occ_params)
-    grad_align = jax.grad(ours)(occ_params, "align")
+    grad_ce = jax.grad(ours)(corruption_params, "ce")
+    grad_direct = jax.grad(direct)(corruption_params)
+    grad_align = jax.grad(ours)(corruption_params, "align")
     for a, b, c in zip(
         jax.tree.leaves(grad_ce), jax.tree.leaves(grad_direct), jax.tree.leaves(grad_align)
     ):
@@ -294,12 +294,12 @@ def test_dropped_tokens_leave_no_trace_in_the_kept_ones(pool):
 
 def test_token_dropping_aligns_kept_tokens_and_trains_the_corruption_model():
     model, variables, images = _patch_vit("token")
-    occ_model = rspc.PatchCorruptionModel(8)
-    occ_params = occ_model.init(jax.random.PRNGKey(5), images[:1])["params"]
+    corruption_model = rspc.PatchCorruptionModel(8)
+    corruption_params = corruption_model.init(jax.random.PRNGKey(5), images[:1])["params"]
     targets = jax.nn.one_hot(jnp.arange(2), 10)
     common = dict(
         model=model,
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         rho=0.25,
         lam=1.0,
         ste_clip=None,
@@ -310,12 +310,18 @@ def test_token_dropping_aligns_kept_tokens_and_trains_the_corruption_model():
         drop_tokens=True,
     )
 
-    def loss(occ_params):
+    def loss(corruption_params):
         return rspc.rspc_loss(
-            variables["params"], occ_params, {}, images, targets, jnp.zeros_like(images), **common
+            variables["params"],
+            corruption_params,
+            {},
+            images,
+            targets,
+            jnp.zeros_like(images),
+            **common,
         )
 
-    (total, aux), grads = jax.value_and_grad(loss, has_aux=True)(occ_params)
+    (total, aux), grads = jax.value_and_grad(loss, has_aux=True)(corruption_params)
     keep = np.asarray(aux["keep"])
     assert (1 - keep).sum(1).tolist() == [rspc.num_occluded(16, 0.25)] * 2
     # L_align by hand: the dropped forward against the clean one, over the kept tokens.

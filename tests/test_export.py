@@ -33,7 +33,7 @@ def _like(state, params_key="params"):
 @needs_torch
 def test_cli_exports_ema_weights_and_the_corruption_model(demo_run, tmp_path):
     workdir, _ = demo_run
-    out, occ = tmp_path / "vit.pth", tmp_path / "occlusion.pth.tar"
+    out, corruption = tmp_path / "vit.pth", tmp_path / "occlusion.pth.tar"
     result = run_python(
         [
             "-m",
@@ -41,7 +41,7 @@ def test_cli_exports_ema_weights_and_the_corruption_model(demo_run, tmp_path):
             f"--workdir={workdir}",
             "--ema",
             f"--out={out}",
-            f"--corruption_out={occ}",
+            f"--corruption_out={corruption}",
         ],
         timeout=300,
     )
@@ -50,15 +50,17 @@ def test_cli_exports_ema_weights_and_the_corruption_model(demo_run, tmp_path):
     step, state, _ = checkpointing.read_saved_state(str(workdir / "checkpoints"))
     assert step == 6
     assert_trees_equal(interop.load_checkpoint(str(out), _like(state)), _like(state, "ema_params"))
-    occ_state = interop.read_state_dict(str(occ))
-    assert {k: v.shape for k, v in occ_state.items()} == {
+    corruption_state = interop.read_state_dict(str(corruption))
+    assert {k: v.shape for k, v in corruption_state.items()} == {
         "patch_embed.weight": (1, 3, 8, 8),
         "fc.weight": (16, 16),
     }
-    np.testing.assert_array_equal(occ_state["fc.weight"], state["occ_params"]["fc"]["kernel"].T)
     np.testing.assert_array_equal(
-        occ_state["patch_embed.weight"],
-        state["occ_params"]["patch_embed"]["kernel"].transpose(3, 2, 0, 1),
+        corruption_state["fc.weight"], state["corruption_params"]["fc"]["kernel"].T
+    )
+    np.testing.assert_array_equal(
+        corruption_state["patch_embed.weight"],
+        state["corruption_params"]["patch_embed"]["kernel"].transpose(3, 2, 0, 1),
     )
 
 

@@ -183,8 +183,8 @@ def test_rspc_loss_trains_a_tiny_fan():
     variables = jax.tree.map(
         lambda s: rng.uniform(0.5, 1.5, s.shape).astype(np.float32), _abstract_init(model, images)
     )
-    occ = rspc.PatchCorruptionModel(patch_size=16)
-    occ_params = occ.init(jax.random.PRNGKey(2), images)["params"]
+    corruption = rspc.PatchCorruptionModel(patch_size=16)
+    corruption_params = corruption.init(jax.random.PRNGKey(2), images)["params"]
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     targets = jax.nn.one_hot(jnp.array([1, 3]), 5)
     noise = jax.random.uniform(jax.random.PRNGKey(3), images.shape)
@@ -192,13 +192,13 @@ def test_rspc_loss_trains_a_tiny_fan():
     def loss(params):
         return rspc.rspc_loss(
             params,
-            occ_params,
+            corruption_params,
             variables["batch_stats"],
             images,
             targets,
             noise,
             model=model,
-            occ_model=occ,
+            corruption_model=corruption,
             rho=0.25,
             lam=1.0,
             ste_clip=1.0,

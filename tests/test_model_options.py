@@ -29,7 +29,7 @@ FAMILIES = {
     ),
     "xcit": ("xcit_nano_12_p16_224", dict(embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1)),
 }
-COMPARED = ("loss", "ce", "align", "grad_norm", "occ_grad_norm")
+COMPARED = ("loss", "ce", "align", "grad_norm", "corruption_grad_norm")
 
 
 def _config(data_dir, model_name, model_overrides, **config_overrides):
@@ -87,7 +87,7 @@ def test_rspc_step_remat_and_bfloat16_agree_with_the_default(digits_data_dir, fa
 
     state, metrics = one_step(_config(digits_data_dir, name, overrides))
     assert all(np.isfinite(metrics[k]) for k in COMPARED)
-    assert metrics["align"] > 0 and metrics["occ_grad_norm"] > 0
+    assert metrics["align"] > 0 and metrics["corruption_grad_norm"] > 0
     assert metrics["occluded_fraction"] == pytest.approx(0.25)
 
     remat_state, remat = one_step(_config(digits_data_dir, name, dict(overrides, remat=True)))
@@ -123,7 +123,7 @@ def test_rspc_step_with_scanned_blocks_equals_the_unrolled_step(digits_data_dir)
         np.testing.assert_allclose(scanned_metrics[key], metrics[key], rtol=1e-5, err_msg=key)
     for tree, ref in (
         (scanned_state.params, state.params),
-        (scanned_state.occ_params, state.occ_params),
+        (scanned_state.corruption_params, state.corruption_params),
     ):
         assert jax.tree.structure(tree) == jax.tree.structure(ref)
         for ours, theirs in zip(jax.tree.leaves(tree), jax.tree.leaves(ref)):
@@ -158,7 +158,9 @@ def test_patch_aug_official_moves_only_batchnorm_statistics_intended_adds_gradie
     for key in COMPARED:
         np.testing.assert_array_equal(official_m[key], off_m[key], err_msg=key)
     assert jax.tree.all(jax.tree.map(np.array_equal, official.params, off.params))
-    assert jax.tree.all(jax.tree.map(np.array_equal, official.occ_params, off.occ_params))
+    assert jax.tree.all(
+        jax.tree.map(np.array_equal, official.corruption_params, off.corruption_params)
+    )
     # Running statistics were updated twice (augmented, then clean batch).
     moved = jax.tree.leaves(
         jax.tree.map(

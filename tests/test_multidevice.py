@@ -32,7 +32,7 @@ _EQUALITY_SCRIPT = textwrap.dedent("""
             jax.block_until_ready(metrics)  # queued collectives deadlock on 2 CPU cores
         results[n] = jax.device_get((state, metrics))
     (state1, metrics1), (state8, metrics8) = results[1], results[8]
-    for name in ("params", "occ_params", "opt_state", "occ_opt_state"):
+    for name in ("params", "corruption_params", "opt_state", "corruption_opt_state"):
         for a, b in zip(jax.tree.leaves(getattr(state1, name)), jax.tree.leaves(getattr(state8, name))):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
     for key in metrics1:

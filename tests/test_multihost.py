@@ -97,7 +97,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batches(digits_dat
         _final_state(tmp_path / "one"),
     )
     assert step_two == step_one == 6
-    for name in ("params", "occ_params", "opt_state"):
+    for name in ("params", "corruption_params", "opt_state"):
         for a, b in zip(jax.tree.leaves(two[name]), jax.tree.leaves(one[name])):
             np.testing.assert_allclose(
                 np.asarray(a), np.asarray(b), atol=1e-5, rtol=0, err_msg=name

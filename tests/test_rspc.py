@@ -22,12 +22,12 @@ def _official_occlusion():
 
 def test_corruption_model_matches_official_fixture():
     params, inputs, ref = _official_occlusion()
-    occ = rspc.PatchCorruptionModel(patch_size=16)
+    corruption = rspc.PatchCorruptionModel(patch_size=16)
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     np.testing.assert_allclose(lower, ref["clamp_lower"], atol=1e-6)
     np.testing.assert_allclose(upper, ref["clamp_upper"], atol=1e-6)
 
-    scores = occ.apply({"params": params}, inputs["x_nhwc"])
+    scores = corruption.apply({"params": params}, inputs["x_nhwc"])
     np.testing.assert_allclose(
         scores, ref["scores"], atol=1e-5 * max(1, np.abs(ref["scores"]).max())
     )
@@ -38,7 +38,7 @@ def test_corruption_model_matches_official_fixture():
             p,
             inputs["x_nhwc"],
             inputs["noise_nhwc"],
-            occ_model=occ,
+            corruption_model=corruption,
             rho=0.1,
             ste_clip=1.0,
             grad_scale=1.0,
@@ -137,16 +137,16 @@ def test_bad_ratio_and_patch_size_are_rejected():
     for rho in (0.0, 1.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="ratio"):
             rspc.check_ratio(rho)
-    occ = rspc.PatchCorruptionModel(patch_size=5)
+    corruption = rspc.PatchCorruptionModel(patch_size=5)
     with pytest.raises(ValueError, match="not divisible"):
-        occ.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
+        corruption.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)))
 
 
 def test_random_selection_ignores_the_corruption_model():
-    occ = rspc.PatchCorruptionModel(patch_size=4)
+    corruption = rspc.PatchCorruptionModel(patch_size=4)
     images = jax.random.normal(jax.random.PRNGKey(0), (3, 16, 16, 3))
     noise = jax.random.uniform(jax.random.PRNGKey(1), images.shape)
-    params = occ.init(jax.random.PRNGKey(2), images)["params"]
+    params = corruption.init(jax.random.PRNGKey(2), images)["params"]
     random_scores = jax.random.uniform(jax.random.PRNGKey(3), (3, 16))
 
     def objective(p):
@@ -154,7 +154,7 @@ def test_random_selection_ignores_the_corruption_model():
             p,
             images,
             noise,
-            occ_model=occ,
+            corruption_model=corruption,
             rho=0.25,
             ste_clip=1.0,
             grad_scale=1.0,

@@ -119,31 +119,40 @@ def rspc_step():
     targets = torch_layout.model_targets(model)
     variables = interop.init_and_load(model, str(path / "state_dict.npz"))
     rho, _, patch_size, _ = config["occlusion_model"]["args"]
-    occ = rspc.PatchCorruptionModel(patch_size=patch_size)
+    corruption = rspc.PatchCorruptionModel(patch_size=patch_size)
     inputs = np.load(path / "inputs.npz")
-    occ_abstract = jax.eval_shape(occ.init, jax.random.PRNGKey(0), inputs["x_nhwc"])
-    occ_targets = torch_layout.targets_from_flax(occ_abstract)
-    occ_params = interop.load_checkpoint(str(path / "occlusion_state_dict.npz"), occ_abstract)[
-        "params"
-    ]
+    corruption_abstract = jax.eval_shape(corruption.init, jax.random.PRNGKey(0), inputs["x_nhwc"])
+    corruption_targets = torch_layout.targets_from_flax(corruption_abstract)
+    corruption_params = interop.load_checkpoint(
+        str(path / "occlusion_state_dict.npz"), corruption_abstract
+    )["params"]
     assert config["target_type"] == "soft"
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
-    setup = dict(model=model, occ_model=occ, rho=rho, lower=lower, upper=upper, ste_clip=1.0)
+    setup = dict(
+        model=model, corruption_model=corruption, rho=rho, lower=lower, upper=upper, ste_clip=1.0
+    )
     data = (inputs["x_nhwc"], inputs["targets"], inputs["noise_nhwc"])
     scale = config[LOSS_SCALE_KEY]
     with jax.default_matmul_precision("highest"):
-        forward = jax.jit(functools.partial(_train_forward, **setup))(variables, occ_params, data)
-        grads = _loss_and_grads(
-            variables, occ_params, data, lam=config["extra_weight"], grad_scale=1.0, **setup
+        forward = jax.jit(functools.partial(_train_forward, **setup))(
+            variables, corruption_params, data
         )
-        grads["occ_scaled"] = _scaled_occlusion_grads(
-            occ_params, data[0], grads["mask"], occ_model=occ, rho=rho, scale=scale
+        grads = _loss_and_grads(
+            variables, corruption_params, data, lam=config["extra_weight"], grad_scale=1.0, **setup
+        )
+        grads["corruption_scaled"] = _scaled_occlusion_grads(
+            corruption_params,
+            data[0],
+            grads["mask"],
+            corruption_model=corruption,
+            rho=rho,
+            scale=scale,
         )
     return dict(
         config=config,
         ref=np.load(path / "outputs.npz"),
         targets=targets,
-        occ_targets=occ_targets,
+        corruption_targets=corruption_targets,
         variables=variables,
         forward=forward,
         grads=grads,
@@ -151,15 +160,17 @@ def rspc_step():
     )
 
 
-def _train_forward(variables, occ_params, data, *, model, occ_model, rho, lower, upper, ste_clip):
+def _train_forward(
+    variables, corruption_params, data, *, model, corruption_model, rho, lower, upper, ste_clip
+):
     """The train-mode forward of rspc_loss, keeping what it does not return."""
     images, _, noise = data
-    scores = occ_model.apply({"params": occ_params}, images)
+    scores = corruption_model.apply({"params": corruption_params}, images)
     corrupted, keep = rspc.corrupt_batch(
-        occ_params,
+        corruption_params,
         images,
         noise,
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         rho=rho,
         ste_clip=ste_clip,
         grad_scale=1.0,
@@ -183,16 +194,16 @@ def _train_forward(variables, occ_params, data, *, model, occ_model, rho, lower,
     )
 
 
-def _loss_and_grads(variables, occ_params, data, *, grad_scale, **kwargs):
+def _loss_and_grads(variables, corruption_params, data, *, grad_scale, **kwargs):
     """rspc_loss and its gradients; a zero `mask_probe` exposes d loss / d patch mask."""
     images, targets, noise = data
-    patch = kwargs["occ_model"].patch_size
+    patch = kwargs["corruption_model"].patch_size
     probe = jnp.zeros((images.shape[0], (images.shape[1] // patch) * (images.shape[2] // patch)))
 
-    def loss(params, occ, mask_probe):
+    def loss(params, corruption, mask_probe):
         return rspc.rspc_loss(
             params,
-            occ,
+            corruption,
             variables["batch_stats"],
             images,
             targets,
@@ -204,18 +215,21 @@ def _loss_and_grads(variables, occ_params, data, *, grad_scale, **kwargs):
         )
 
     grad_fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (total, aux), (params_grad, occ_grad, mask_grad) = grad_fn(
-        variables["params"], occ_params, probe
+    (total, aux), (params_grad, corruption_grad, mask_grad) = grad_fn(
+        variables["params"], corruption_params, probe
     )
-    return dict(total=total, aux=aux, params=params_grad, occ=occ_grad, mask=mask_grad)
+    return dict(
+        total=total, aux=aux, params=params_grad, corruption=corruption_grad, mask=mask_grad
+    )
 
 
-def _scaled_occlusion_grads(occ_params, images, mask_grad, *, occ_model, rho, scale):
+def _scaled_occlusion_grads(corruption_params, images, mask_grad, *, corruption_model, rho, scale):
     """C's gradients under rspc_loss(grad_scale=S): S only enters the STE backward (the
     classifier graph does not depend on it), so chain the measured d loss / d mask through
     binarize(grad_scale=S) instead of compiling the whole step a second time."""
     _, vjp = jax.vjp(
-        lambda p: rspc.binarize(occ_model.apply({"params": p}, images), rho, 1.0, scale), occ_params
+        lambda p: rspc.binarize(corruption_model.apply({"params": p}, images), rho, 1.0, scale),
+        corruption_params,
     )
     return vjp(mask_grad)[0]
 
@@ -263,10 +277,10 @@ def test_rspc_fixture_gradients(rspc_step):
             1e-4 * np.abs(expected).max(),
             f"grad/{name}",
         )
-    for name, target in rspc_step["occ_targets"].items():
+    for name, target in rspc_step["corruption_targets"].items():
         expected = target.rule(ref[f"occlusion_grad/{name}"])
         assert_close(
-            _at(result["occ"], target.path),
+            _at(result["corruption"], target.path),
             expected,
             1e-4 * np.abs(expected).max(),
             f"occlusion_grad/{name}",
@@ -284,10 +298,10 @@ def test_rspc_fixture_gradients(rspc_step):
 def test_rspc_fixture_loss_scaled_occlusion_gradients(rspc_step):
     """grad_scale = S emulates the official unscaled C gradient under the AMP loss scaler."""
     ref, scale, result = rspc_step["ref"], rspc_step["scale"], rspc_step["grads"]
-    for name, target in rspc_step["occ_targets"].items():
+    for name, target in rspc_step["corruption_targets"].items():
         expected = target.rule(ref[f"occlusion_grad_scaled/{name}"])
         assert_close(
-            _at(result["occ_scaled"], target.path),
+            _at(result["corruption_scaled"], target.path),
             expected,
             1e-4 * np.abs(expected).max(),
             f"occlusion_grad_scaled/{name}",

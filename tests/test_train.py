@@ -1,6 +1,7 @@
 """The train step and loop: ascent/descent signs, resume, errors, the demo end to end."""
 
 import functools
+import logging
 import os
 import signal
 import subprocess
@@ -33,7 +34,9 @@ def _fixed_batch(config):
     return next(batches)
 
 
-def _loss_at(config, parts_model, state, batch, params, occ_params, occ_model, rho=0.1):
+def _loss_at(
+    config, parts_model, state, batch, params, corruption_params, corruption_model, rho=0.1
+):
     """RSPC loss parts on `batch` with the step's own noise, without dropout."""
     noise_rng = train_step_lib.step_keys(state)[0]
     images = jnp.asarray(batch["image"])
@@ -42,17 +45,17 @@ def _loss_at(config, parts_model, state, batch, params, occ_params, occ_model, r
     targets = mixup.one_hot_smoothed(batch["label"], 10, config.label_smoothing)
     return rspc.rspc_loss(
         params,
-        occ_params,
+        corruption_params,
         state.batch_stats,
         images,
         targets,
         noise,
         model=parts_model,
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         rho=rho,
         lam=config.rspc.lam,
         ste_clip=1.0,
-        grad_scale=config.rspc.occ_grad_scale,
+        grad_scale=config.rspc.corruption_grad_scale,
         lower=lower,
         upper=upper,
         rngs={},
@@ -75,38 +78,42 @@ def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digit
     parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
     state = parts.init(jax.random.PRNGKey(0))
     batch = _fixed_batch(config)
-    occ_model = rspc.PatchCorruptionModel(model.patch_size)
-    loss_at = functools.partial(_loss_at, config, model, state, batch, occ_model=occ_model)
+    corruption_model = rspc.PatchCorruptionModel(model.patch_size)
+    loss_at = functools.partial(
+        _loss_at, config, model, state, batch, corruption_model=corruption_model
+    )
 
-    before_total, before = loss_at(state.params, state.occ_params)
-    occ_grad = jax.grad(lambda p: loss_at(state.params, p)[0])(state.occ_params)
+    before_total, before = loss_at(state.params, state.corruption_params)
+    corruption_grad = jax.grad(lambda p: loss_at(state.params, p)[0])(state.corruption_params)
     new_state, metrics = parts.train_step(
         jax.tree.map(jnp.copy, state), parallel.to_global(batch, mesh)
     )
 
     # The corruption model moves along its (STE) gradient: first-order change > 0 ...
-    delta = jax.tree.map(jnp.subtract, new_state.occ_params, state.occ_params)
-    inner = sum(jnp.vdot(d, g) for d, g in zip(jax.tree.leaves(delta), jax.tree.leaves(occ_grad)))
+    delta = jax.tree.map(jnp.subtract, new_state.corruption_params, state.corruption_params)
+    inner = sum(
+        jnp.vdot(d, g) for d, g in zip(jax.tree.leaves(delta), jax.tree.leaves(corruption_grad))
+    )
     assert inner > 0
     # ... and the alignment loss, as a function of C's parameters, goes up.
-    _, after_occ = loss_at(state.params, new_state.occ_params)
-    assert after_occ["align"] > before["align"]
+    _, after_corruption_step = loss_at(state.params, new_state.corruption_params)
+    assert after_corruption_step["align"] > before["align"]
     # The classifier descends: its loss with C fixed goes down.
-    after_total, _ = loss_at(new_state.params, state.occ_params)
+    after_total, _ = loss_at(new_state.params, state.corruption_params)
     assert after_total < before_total
     np.testing.assert_allclose(metrics["loss"], before_total, rtol=1e-5)
 
 
-def test_resume_is_bitwise_equal_to_an_uninterrupted_run(digits_data_dir, tmp_path, capsys):
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(digits_data_dir, tmp_path, caplog):
     config = smoke_config(digits_data_dir, total_steps=6, checkpoint_every_steps=100, ema_decay=0.9)
     full = train.train_and_evaluate(config, str(tmp_path / "full"))
     first = train.train_and_evaluate(
         config, str(tmp_path / "resumed"), should_stop=lambda step: step == 3
     )
     assert first["step"] == 3
-    capsys.readouterr()
-    resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
-    assert "Resumed from" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO):
+        resumed = train.train_and_evaluate(config, str(tmp_path / "resumed"))
+    assert "Resumed from" in caplog.text
     assert resumed["step"] == 6
     leaves_full = jax.tree.leaves(full["state"])
     leaves_resumed = jax.tree.leaves(resumed["state"])
@@ -170,7 +177,7 @@ def test_non_finite_loss_stops_with_the_step_and_saves_nothing(digits_data_dir, 
 
 def test_demo_smoke_end_to_end_through_main(demo_run):
     workdir, result = demo_run
-    assert "Done: 6 steps; test accuracy" in result.stdout
+    assert "Done: 6 steps; test accuracy" in result.stderr  # absl logging
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     assert any('"eval/accuracy"' in line for line in lines)
     assert any('"eval_ema/accuracy"' in line for line in lines)
@@ -194,14 +201,14 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir,
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
-    try:
-        for line in proc.stdout:
-            if line.startswith("[train] step 4/"):
+    try:  # the loop's lines are absl log lines on stderr
+        for line in proc.stderr:
+            if "] [train] step 4/" in line:
                 proc.send_signal(signal.SIGINT)
                 break
-        out = proc.stdout.read()
+        out = proc.stderr.read()
         assert proc.wait(timeout=120) == 0
     finally:
         proc.kill()
@@ -210,8 +217,8 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir,
     assert stopped >= 4 and os.listdir(workdir / "checkpoints") == [str(stopped)]
     result = run_python(command[1:-2] + [f"--config.total_steps={stopped + 2}"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"Resumed from {workdir}/checkpoints/{stopped}" in result.stdout
-    assert f"Done: {stopped + 2} steps" in result.stdout
+    assert f"Resumed from {workdir}/checkpoints/{stopped}" in result.stderr
+    assert f"Done: {stopped + 2} steps" in result.stderr
 
 
 def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data_dir):

@@ -45,7 +45,7 @@ class Context:
     settings: ml_collections.ConfigDict  # config.evaluation
     model: Any
     variables: dict  # {'params', 'batch_stats'}
-    occ_params: dict | None  # the trained corruption model, if any
+    corruption_params: dict | None  # the trained corruption model, if any
     spec: datasets.DatasetSpec
     mesh: Any
     patch_size: int  # RSPC patch size (occlusion grid)

@@ -39,13 +39,19 @@ def load_variables(config, model, *, workdir, checkpoint, step, ema):
         variables["batch_stats"] = state["batch_stats"]
     return (
         variables,
-        state.get("occ_params") or None,
+        state.get("corruption_params") or None,
         f"{workdir}/checkpoints/{step}{' (EMA)' if ema else ''}",
     )
 
 
 def build_context(
-    config, model, variables=None, occ_params=None, settings=None, mesh=None, compute_dtype=None
+    config,
+    model,
+    variables=None,
+    corruption_params=None,
+    settings=None,
+    mesh=None,
+    compute_dtype=None,
 ):
     """The suites' runner.Context (default: on a mesh over every device), with training's
     occlusion noise and clamp; `settings` default config.evaluation."""
@@ -58,7 +64,9 @@ def build_context(
         settings=settings or config.evaluation,
         model=model,
         variables=jax.device_put(variables, replicated) if variables is not None else None,
-        occ_params=jax.device_put(occ_params, replicated) if occ_params is not None else None,
+        corruption_params=jax.device_put(corruption_params, replicated)
+        if corruption_params is not None
+        else None,
         spec=spec,
         mesh=mesh,
         patch_size=rspc.corruption_patch_size(config.rspc, model),
@@ -82,10 +90,10 @@ def run_suites(
         raise ValueError(f"unknown suites {unknown}; choose from {sorted(available)}")
     spec = datasets.dataset_spec(config.dataset)
     model = models.from_config(config, spec.num_classes)
-    variables, occ_params, source = load_variables(
+    variables, corruption_params, source = load_variables(
         config, model, workdir=workdir, checkpoint=checkpoint, step=step, ema=ema
     )
-    ctx = build_context(config, model, variables, occ_params)
+    ctx = build_context(config, model, variables, corruption_params)
     out = out or os.path.join(workdir or os.path.dirname(os.path.abspath(checkpoint)), "eval")
     os.makedirs(out, exist_ok=True)
     results, figure_paths = {}, {}

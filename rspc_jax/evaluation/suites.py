@@ -117,14 +117,14 @@ def corrupted_local(ctx: Context) -> dict:
 
 
 def _learned_keep(ctx: Context, images):
-    occ_model = rspc.PatchCorruptionModel(ctx.patch_size)
-    scores = occ_model.apply({"params": ctx.occ_params}, images)
+    corruption_model = rspc.PatchCorruptionModel(ctx.patch_size)
+    scores = corruption_model.apply({"params": ctx.corruption_params}, images)
     return rspc.keep_mask(scores, ctx.settings.occlusion_rho)
 
 
 def patch_occlusion(ctx: Context) -> dict:
     masks, occluded = ctx.settings.occlusion_masks, ctx.occluded_count()
-    learned = ctx.occ_params is not None and ctx.settings.occlusion_rho > 0
+    learned = ctx.corruption_params is not None and ctx.settings.occlusion_rho > 0
 
     def step(variables, batch, rng):
         images, labels = batch["image"], batch["label"]

@@ -7,12 +7,21 @@ an interrupted save never replaces or corrupts a finished checkpoint.
 import json
 from typing import Any
 
+import flax
 from flax import traverse_util
 import jax
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
 from rspc_jax import models
+
+# Field names of checkpoints written before the corruption model's fields were renamed.
+_LEGACY_NAMES = {"corruption_params": "occ_params", "corruption_opt_state": "occ_opt_state"}
+
+
+def _current_names(state: dict) -> dict:
+    renamed = {old: new for new, old in _LEGACY_NAMES.items()}
+    return {renamed.get(name, name): value for name, value in state.items()}
 
 
 class CheckpointMismatchError(ValueError):
@@ -57,15 +66,29 @@ class Checkpointer:
                 )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
         try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
-            )
+            restored = self._restore_state(step, abstract)
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointMismatchError(
                 f"checkpoint {self.directory}/{step} does not match the state this config "
                 f"builds (model {expected_meta.get('model_name')!r}): {e}"
             ) from e
-        return restored["state"]
+        return restored
+
+    def _restore_state(self, step: int, abstract: Any) -> Any:
+        try:
+            return self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )["state"]
+        except (ValueError, KeyError, TypeError):
+            # A checkpoint written before the corruption model's fields were renamed.
+            fields = flax.serialization.to_state_dict(abstract)
+            legacy = {_LEGACY_NAMES.get(name, name): value for name, value in fields.items()}
+            if legacy.keys() == fields.keys():
+                raise
+            state = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(legacy))
+            )["state"]
+            return flax.serialization.from_state_dict(abstract, _current_names(state))
 
     def wait_until_finished(self) -> None:
         self._manager.wait_until_finished()
@@ -109,7 +132,7 @@ def read_saved_state(directory: str, step: int | None = None) -> tuple[int, dict
                 state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
             ),
         )
-    return step, jax.device_get(restored["state"]), restored["meta"]
+    return step, _current_names(jax.device_get(restored["state"])), restored["meta"]
 
 
 def read_model_state(

@@ -81,12 +81,14 @@ def export(
         f"{len(chosen)} tensors) as {what} to {out}"
     )
     if corruption_out:
-        if not state.get("occ_params"):
+        if not state.get("corruption_params"):
             raise ValueError(f"run {workdir} trained without RSPC: it has no corruption model")
-        occ = state_dicts.export_state_dict(dict(params=state["occ_params"]))
+        corruption = state_dicts.export_state_dict(dict(params=state["corruption_params"]))
         if corruption_out.endswith(".safetensors"):
-            state_dicts.save_safetensors(corruption_out, occ, metadata=dict(step=str(step)))
+            state_dicts.save_safetensors(corruption_out, corruption, metadata=dict(step=str(step)))
         else:
-            state_dicts.save_torch(corruption_out, dict(state_dict=occ, arch="patchocclusion"))
-        summary += f"; corruption model ({', '.join(occ)}) to {corruption_out}"
+            state_dicts.save_torch(
+                corruption_out, dict(state_dict=corruption, arch="patchocclusion")
+            )
+        summary += f"; corruption model ({', '.join(corruption)}) to {corruption_out}"
     return summary

@@ -86,7 +86,7 @@ def get_default_config() -> ml_collections.ConfigDict:
             # Emulates the GradScaler's 2**16 on C's gradient (1 = paper). It scales the gradient
             # of the global-mean loss; official runs scaled each GPU's mean loss, so emulating
             # per-GPU batch b needs 2**16 * batch_size / b.
-            occ_grad_scale=65536.0,
+            corruption_grad_scale=65536.0,
             noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
             clamp="imagenet",  # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
             selection="learned",  # 'learned' | 'random' (Table 3 ablation)
@@ -209,7 +209,7 @@ def apply_imagenet_recipe(
     c.mixup.mixup_alpha = 0.8
     c.mixup.cutmix_alpha = 1.0
     c.ema_decay = 0.99996
-    c.rspc.occ_grad_scale = 65536.0 * batch_size / per_device_batch
+    c.rspc.corruption_grad_scale = 65536.0 * batch_size / per_device_batch
     c.log_every_steps = 100
     c.checkpoint_every_steps = 2500
 

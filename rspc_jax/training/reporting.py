@@ -33,7 +33,7 @@ def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
     return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
 
 
-_LEADING = ("loss", "ce", "align", "accuracy", "train_accuracy")
+_LEADING = ("loss", "ce", "align", "occluded_ce", "accuracy", "train_accuracy")
 
 
 def _display_rank(key: str) -> int:

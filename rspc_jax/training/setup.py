@@ -131,7 +131,7 @@ def step_settings(
         rho=r.rho,
         lam=r.lam,
         ste_clip=1.0 if r.ste == "clip" else None,
-        occ_grad_scale=r.occ_grad_scale,
+        corruption_grad_scale=r.corruption_grad_scale,
         noise_mean=noise_mean,
         noise_std=noise_std,
         clamp_lower=lower,
@@ -164,7 +164,7 @@ class Parts(NamedTuple):
 def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> Parts:
     """Optimizers, state initialiser and the jitted sharded steps for `mesh`."""
     image_shape = (config.image_size, config.image_size, 3)
-    occ_model = (
+    corruption_model = (
         rspc.PatchCorruptionModel(rspc.corruption_patch_size(config.rspc, model))
         if config.rspc.enabled
         else None
@@ -179,19 +179,19 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     )
     abstract_params = models.abstract_variables(model, config.image_size)["params"]
     tx = optim.classifier_optimizer(opt, schedule, abstract_params, model.no_weight_decay_names)
-    occ_tx = rspc.corruption_optimizer(config.rspc.optimizer)
+    corruption_tx = rspc.corruption_optimizer(config.rspc.optimizer)
     init = jax.jit(
         lambda rng: train_step_lib.create_train_state(
-            rng, model, occ_model, image_shape, tx, occ_tx, ema=config.ema_decay > 0
+            rng, model, corruption_model, image_shape, tx, corruption_tx, ema=config.ema_decay > 0
         ),
         out_shardings=parallel.replicated(mesh),
     )
     train_step = train_step_lib.make_train_step(
         mesh,
         model=model,
-        occ_model=occ_model,
+        corruption_model=corruption_model,
         tx=tx,
-        occ_tx=occ_tx,
+        corruption_tx=corruption_tx,
         schedule=schedule,
         settings=step_settings(config, spec, steps_per_epoch),
     )

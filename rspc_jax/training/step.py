@@ -32,8 +32,8 @@ class TrainState:
     params: Any
     batch_stats: Any
     opt_state: Any
-    occ_params: Any  # corruption model C ({} when RSPC is off)
-    occ_opt_state: Any
+    corruption_params: Any  # corruption model C ({} when RSPC is off)
+    corruption_opt_state: Any
     ema_params: Any  # {} when EMA is off
     rng: jax.Array  # base key; the step key is fold_in(rng, step)
 
@@ -47,7 +47,7 @@ class StepSettings:
     rho: float
     lam: float
     ste_clip: Any  # float or None (identity STE)
-    occ_grad_scale: float
+    corruption_grad_scale: float
     noise_mean: Any  # noise = (u - mean) / std; (0,)/(1,) = normalised-space noise
     noise_std: Any
     clamp_lower: Any  # None = no clamp
@@ -67,21 +67,27 @@ class StepSettings:
 
 
 def create_train_state(
-    rng, model: nn.Module, occ_model, image_shape, tx, occ_tx, ema: bool
+    rng, model: nn.Module, corruption_model, image_shape, tx, corruption_tx, ema: bool
 ) -> TrainState:
     """Initialises every part of the state (jit it with replicated out_shardings)."""
-    model_rng, occ_rng, state_rng = jax.random.split(rng, 3)
+    model_rng, corruption_rng, state_rng = jax.random.split(rng, 3)
     dummy = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
     variables = model.init(model_rng, dummy, train=False)
     params, batch_stats = variables["params"], variables.get("batch_stats", {})
-    occ_params = occ_model.init(occ_rng, dummy)["params"] if occ_model is not None else {}
+    corruption_params = (
+        corruption_model.init(corruption_rng, dummy)["params"]
+        if corruption_model is not None
+        else {}
+    )
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         batch_stats=batch_stats,
         opt_state=tx.init(params),
-        occ_params=occ_params,
-        occ_opt_state=occ_tx.init(occ_params) if occ_model is not None else {},
+        corruption_params=corruption_params,
+        corruption_opt_state=corruption_tx.init(corruption_params)
+        if corruption_model is not None
+        else {},
         ema_params=jax.tree.map(jnp.copy, params) if ema else {},
         rng=state_rng,
     )
@@ -112,9 +118,9 @@ def _per_device_train_step(
     batch,
     *,
     model,
-    occ_model,
+    corruption_model,
     tx,
-    occ_tx,
+    corruption_tx,
     schedule: Callable,
     settings: StepSettings,
 ):
@@ -144,8 +150,8 @@ def _per_device_train_step(
             uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
             return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
 
-        num_patches = (images.shape[1] // occ_model.patch_size) * (
-            images.shape[2] // occ_model.patch_size
+        num_patches = (images.shape[1] // corruption_model.patch_size) * (
+            images.shape[2] // corruption_model.patch_size
         )
         random_scores = None
         if settings.random_selection:
@@ -154,11 +160,11 @@ def _per_device_train_step(
         rspc_loss = functools.partial(
             rspc.rspc_loss,
             model=model,
-            occ_model=occ_model,
+            corruption_model=corruption_model,
             rho=settings.rho,
             lam=settings.lam,
             ste_clip=settings.ste_clip,
-            grad_scale=settings.occ_grad_scale,
+            grad_scale=settings.corruption_grad_scale,
             lower=settings.clamp_lower,
             upper=settings.clamp_upper,
             align_blocks=settings.align_blocks,
@@ -168,10 +174,10 @@ def _per_device_train_step(
             drop_tokens=settings.fill == "drop",
         )
 
-        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+        def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
             return rspc_loss(
                 params,
-                occ_params,
+                corruption_params,
                 batch_stats,
                 images,
                 targets,
@@ -180,10 +186,10 @@ def _per_device_train_step(
                 mask_probe=probe,
             )
 
-        args = (vary(state.params), vary(state.occ_params), probe)
+        args = (vary(state.params), vary(state.corruption_params), probe)
     elif settings.adversarial is not None:
 
-        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+        def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
             return adversarial_training.adversarial_loss(
                 params,
                 batch_stats,
@@ -203,7 +209,7 @@ def _per_device_train_step(
         args = (vary(state.params), {}, None)
     else:
 
-        def loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe):
+        def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
             return rspc.plain_loss(
                 params,
                 batch_stats,
@@ -216,7 +222,7 @@ def _per_device_train_step(
 
         args = (vary(state.params), {}, None)
 
-    def objective(params, occ_params, probe):
+    def objective(params, corruption_params, probe):
         batch_stats, aug_loss = state.batch_stats, 0.0
         if settings.patch_aug != "off":
             # RSPC_RVT first runs the whole step on the patch-augmented batch (own mask and
@@ -226,7 +232,7 @@ def _per_device_train_step(
             aug_images = patch_aug.patch_augment(
                 device_rng, images, model.patch_size, settings.clamp_lower, settings.clamp_upper
             )
-            aug_args = (params, occ_params)
+            aug_args = (params, corruption_params)
             if settings.patch_aug == "official":
                 aug_args = jax.lax.stop_gradient(aug_args)
             aug_total, aug_aux = loss_of(
@@ -240,7 +246,7 @@ def _per_device_train_step(
             batch_stats = aug_aux["batch_stats"]
             if settings.patch_aug == "intended":
                 aug_loss = aug_total
-        loss, aux = loss_of(params, occ_params, batch_stats, images, noise_rng, rngs, probe)
+        loss, aux = loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe)
         return (loss + aug_loss) * share, (loss, aux)
 
     argnums = (0, 1, 2) if settings.rspc_enabled else 0
@@ -248,7 +254,7 @@ def _per_device_train_step(
         *args
     )
     if settings.rspc_enabled:
-        grads, occ_grads, probe_grad = all_grads
+        grads, corruption_grads, probe_grad = all_grads
     else:
         grads = all_grads
 
@@ -264,15 +270,20 @@ def _per_device_train_step(
     )
 
     metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
-    occ_params, occ_opt_state = state.occ_params, state.occ_opt_state
+    corruption_params, corruption_opt_state = state.corruption_params, state.corruption_opt_state
     if settings.rspc_enabled:
-        occ_grads = jax.lax.psum(occ_grads, DATA_AXIS)
-        occ_updates, occ_opt_state = occ_tx.update(occ_grads, occ_opt_state, occ_params)
-        occ_params = optax.apply_updates(occ_params, occ_updates)
-        saturated = jnp.abs(probe_grad * settings.occ_grad_scale) >= (settings.ste_clip or jnp.inf)
+        corruption_grads = jax.lax.psum(corruption_grads, DATA_AXIS)
+        corruption_updates, corruption_opt_state = corruption_tx.update(
+            corruption_grads, corruption_opt_state, corruption_params
+        )
+        corruption_params = optax.apply_updates(corruption_params, corruption_updates)
+        saturated = jnp.abs(probe_grad * settings.corruption_grad_scale) >= (
+            settings.ste_clip or jnp.inf
+        )
+        # The objective C ascends besides CE: L_align, or CE on the occluded images (ablation).
+        metrics.update({k: aux[k] for k in ("align", "occluded_ce") if k in aux})
         metrics.update(
-            align=aux["align"],
-            occ_grad_norm=optax.tree.norm(occ_grads),
+            corruption_grad_norm=optax.tree.norm(corruption_grads),
             occluded_fraction=1.0 - jnp.mean(aux["keep"]),
             ste_saturated_fraction=jnp.mean(saturated),
         )
@@ -288,8 +299,8 @@ def _per_device_train_step(
         opt_state=opt_state,
         # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
         batch_stats=jax.lax.pmean(aux["batch_stats"], DATA_AXIS),
-        occ_params=occ_params,
-        occ_opt_state=occ_opt_state,
+        corruption_params=corruption_params,
+        corruption_opt_state=corruption_opt_state,
         ema_params=ema_params,
     )
     return new_state, jax.lax.pmean(metrics, DATA_AXIS)
