@@ -11,6 +11,11 @@ XLA's memory estimate and the device's peak memory. Options that matter on accel
 `--config.compute_dtype=bfloat16`, `--config.remat=True`, `--config.scan_blocks=True`
 (ViT/DeiT); the step donates its state. Variants: 'plain' (no RSPC), 'rspc', or any name
 of rspc_jax.training.ablations (the adversarial-training baselines of the paper's Fig. 7 among them).
+
+    python -m rspc_jax.benchmark --config=configs/deit_s.py --batch=8 --steps=5 --compare_timm
+
+`--compare_timm` then times timm's train step of the same model in a fresh process
+(rspc_jax.tools.timm_step) and prints our steps' time ratio to it and both peak memories.
 """
 
 from absl import app, flags
@@ -23,6 +28,12 @@ _VARIANTS = flags.DEFINE_string(
     "variants",
     "plain,rspc",
     "Comma-separated step variants: plain, rspc or names of rspc_jax.training.ablations.",
+)
+_COMPARE_TIMM = flags.DEFINE_bool(
+    "compare_timm",
+    False,
+    "Also time timm's train step of the same model (ViT/DeiT, XCiT) in a subprocess and print "
+    "the time and peak-memory ratios (needs requirements-torch.txt).",
 )
 
 
@@ -37,7 +48,9 @@ def main(argv):
         raise app.UsageError("pass --config=configs/<file>.py[:variant]")
     if _BATCH.value:
         config.batch_size = _BATCH.value
-    benchmark.print_table(config, _VARIANTS.value.split(","), _STEPS.value)
+    results = benchmark.print_table(config, _VARIANTS.value.split(","), _STEPS.value)
+    if _COMPARE_TIMM.value:
+        benchmark.compare_with_timm(config, results, _STEPS.value)
 
 
 if __name__ == "__main__":

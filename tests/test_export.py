@@ -3,6 +3,7 @@
 
 import functools
 import importlib.util
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -131,7 +132,7 @@ def test_export_refuses_ema_when_the_run_kept_none(tmp_path):
         export.export(str(workdir), str(tmp_path / "x.safetensors"), ema=True)
 
 
-def test_init_from_starts_training_at_the_checkpoint(demo_run, digits_data_dir, tmp_path, capsys):
+def test_init_from_starts_training_at_the_checkpoint(demo_run, digits_data_dir, tmp_path, caplog):
     workdir, _ = demo_run
     start = str(tmp_path / "start.safetensors")
     export.export(str(workdir), start)
@@ -147,6 +148,7 @@ def test_init_from_starts_training_at_the_checkpoint(demo_run, digits_data_dir, 
             "optimizer.min_lr": 0.0,
         },
     )
-    result = train.train_and_evaluate(config, str(tmp_path / "finetune"))
-    assert f"Initialised from {start}" in capsys.readouterr().out
+    with caplog.at_level(logging.INFO):
+        result = train.train_and_evaluate(config, str(tmp_path / "finetune"))
+    assert f"Initialised from {start}" in caplog.text
     assert_trees_equal(jax.device_get(result["state"].params), saved["params"])

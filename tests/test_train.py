@@ -241,3 +241,44 @@ def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data
     assert unclamped.clamp_lower is None and unclamped.clamp_upper is None
     identity = setup.step_settings(smoke_config(digits_data_dir, **{"rspc.ste": "identity"}), spec)
     assert identity.ste_clip is None and official.ste_clip == 1.0
+
+
+def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_path, monkeypatch):
+    """The steady-state loop: under jax.transfer_guard('disallow'), and neither
+    device_get nor block_until_ready is called except at the first, log, eval,
+    checkpoint and last steps."""
+    config = smoke_config(
+        digits_data_dir,
+        total_steps=8,
+        log_every_steps=3,
+        eval_every_steps=100,
+        checkpoint_every_steps=100,
+        block_each_step="no",
+        transfer_guard="disallow",
+    )
+    executed, waits = [0], []
+    build = setup.build
+
+    def counting_build(*args, **kwargs):
+        parts = build(*args, **kwargs)
+
+        def train_step(state, batch):
+            executed[0] += 1
+            return parts.train_step(state, batch)
+
+        return parts._replace(train_step=train_step)
+
+    def recording(fn):
+        def wrapper(*args, **kwargs):
+            waits.append(executed[0])
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(setup, "build", counting_build)
+    monkeypatch.setattr(jax, "device_get", recording(jax.device_get))
+    monkeypatch.setattr(jax, "block_until_ready", recording(jax.block_until_ready))
+    result = train.train_and_evaluate(config, str(tmp_path / "run"))
+    assert result["step"] == 8 and executed[0] == 8
+    assert set(waits) - {0} <= {1, 3, 6, 8}, sorted(set(waits))
+    assert {1, 3, 6, 8} <= set(waits)  # the counters do see the sync steps

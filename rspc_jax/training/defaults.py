@@ -177,6 +177,9 @@ def get_default_config() -> ml_collections.ConfigDict:
     c.block_each_step = (
         "auto"  # 'auto' (block on CPU, where queued collectives deadlock) | 'yes' | 'no'
     )
+    # jax.transfer_guard around the steps between log, eval and checkpoint steps: 'allow' |
+    # 'log' | 'disallow' (debugging: an implicit host<->device transfer there is a stall).
+    c.transfer_guard = "allow"
     c.distributed = "auto"  # jax.distributed.initialize: 'auto' | 'yes' | 'no'
     return c
 

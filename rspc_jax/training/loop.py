@@ -97,7 +97,8 @@ class StopRequest:
 
 
 def _agree(flag: bool) -> bool:
-    """All hosts must stop at the same step, so a stop on any host stops every host."""
+    """All hosts must stop at the same step, so a stop on any host stops every host (one
+    allgather: the loop asks only at log steps on multi-host runs)."""
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
@@ -257,13 +258,24 @@ def train_and_evaluate(
     try:
         with stop.installed():
             while step < total_steps:
-                state, step_metrics = train_step(state, next(train_batches))
                 step += 1
-                pending.append(step_metrics)
-                if block:  # queued collectives deadlock on few-core CPUs
-                    jax.block_until_ready(step_metrics)
-                stopping = _agree(stop(step) or (should_stop is not None and should_stop(step)))
                 last = step == total_steps
+                log_step = step % config.log_every_steps == 0 or last
+                # Steps that only dispatch: no host<->device sync and no collective across
+                # hosts; a stop request is agreed at the next log step on multi-host runs.
+                steady = not (
+                    log_step
+                    or step == start_step + 1
+                    or step % eval_every == 0
+                    or step % config.checkpoint_every_steps == 0
+                )
+                with jax.transfer_guard(config.transfer_guard if steady else "allow"):
+                    state, step_metrics = train_step(state, next(train_batches))
+                    pending.append(step_metrics)
+                    if block:  # queued collectives deadlock on few-core CPUs
+                        jax.block_until_ready(step_metrics)
+                    requested = stop(step) or (should_stop is not None and should_stop(step))
+                    stopping = _agree(requested) if log_step or jax.process_count() == 1 else False
                 save = last or stopping or step % config.checkpoint_every_steps == 0
                 if step == start_step + 1:
                     jax.block_until_ready(step_metrics)

@@ -26,6 +26,7 @@ _CHOICES = {
     "adversarial.method": adversarial_training.METHODS,
     "adversarial.attack_bn": ("train", "eval"),
     "block_each_step": ("auto", "yes", "no"),
+    "transfer_guard": ("allow", "log", "disallow"),
     "compute_dtype": ("float32", "bfloat16"),
     "patch_aug": ("off", "official", "intended"),
     "init_head": ("load", "reset"),

@@ -1,0 +1,110 @@
+"""timm's train step of a model, timed as `rspc_jax.tools.benchmark` times ours, for the
+side-by-side comparison of `python -m rspc_jax.benchmark --compare_timm`.
+
+    python -m rspc_jax.tools.timm_step --model=deit_small_patch16_224 --batch=8 --steps=5
+
+One step is what our plain step does for a ViT/DeiT or XCiT config: a train-mode forward
+(drop path), soft-target cross-entropy with label smoothing, backward, AdamW, and the EMA
+update when `--ema_decay` > 0 (timm's ModelEmaV2). It runs in its own process so that its
+peak memory (ru_maxrss) is its own; the last line printed is a JSON record.
+"""
+
+import json
+import resource
+import statistics
+import time
+
+from absl import app, flags
+
+_MODEL = flags.DEFINE_string("model", None, "timm model name.", required=True)
+_BATCH = flags.DEFINE_integer("batch", 8, "Images per step.")
+_IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square input size.")
+_NUM_CLASSES = flags.DEFINE_integer("num_classes", 1000, "Classes of the head.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps (after one warm-up step).")
+_DROP_PATH = flags.DEFINE_float("drop_path", 0.1, "Stochastic depth rate.")
+_SMOOTHING = flags.DEFINE_float("label_smoothing", 0.1, "Label smoothing.")
+_EMA = flags.DEFINE_float("ema_decay", 0.0, "EMA decay (0 = no EMA).")
+_THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0 = all cores).")
+
+
+def time_timm_step(
+    model_name: str,
+    *,
+    batch: int,
+    image_size: int,
+    num_classes: int,
+    steps: int,
+    drop_path: float,
+    label_smoothing: float,
+    ema_decay: float,
+    threads: int = 0,
+) -> dict:
+    """Median seconds of timm's train step and this process's peak RSS."""
+    import os
+
+    try:
+        import timm
+        from timm.utils import ModelEmaV2
+        import torch
+    except ImportError as error:
+        raise SystemExit(
+            f"timm and torch are needed for the comparison ({error}); "
+            "pip install -r requirements-torch.txt"
+        ) from None
+
+    torch.set_num_threads(threads or os.cpu_count())
+    torch.manual_seed(0)
+    model = timm.create_model(model_name, num_classes=num_classes, drop_path_rate=drop_path)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    ema = ModelEmaV2(model, decay=ema_decay) if ema_decay > 0 else None
+    images = torch.randn(batch, 3, image_size, image_size)
+    labels = torch.randint(0, num_classes, (batch,))
+    off = label_smoothing / num_classes
+    targets = torch.full((batch, num_classes), off).scatter_(
+        1, labels[:, None], 1.0 - label_smoothing + off
+    )
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(images)
+        loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
+        loss.backward()
+        optimizer.step()
+        if ema is not None:
+            ema.update(model)
+        return loss
+
+    step()  # warm-up: first-run allocations
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return dict(
+        framework=f"PyTorch {torch.__version__}, timm {timm.__version__}",
+        median_sec=statistics.median(times),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+    )
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    result = time_timm_step(
+        _MODEL.value,
+        batch=_BATCH.value,
+        image_size=_IMAGE_SIZE.value,
+        num_classes=_NUM_CLASSES.value,
+        steps=_STEPS.value,
+        drop_path=_DROP_PATH.value,
+        label_smoothing=_SMOOTHING.value,
+        ema_decay=_EMA.value,
+        threads=_THREADS.value,
+    )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    app.run(main)
