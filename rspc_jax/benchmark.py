@@ -29,6 +29,12 @@ _VARIANTS = flags.DEFINE_string(
     "plain,rspc",
     "Comma-separated step variants: plain, rspc or names of rspc_jax.training.ablations.",
 )
+_PROFILE_DIR = flags.DEFINE_string(
+    "profile_dir",
+    "",
+    "Also trace 2 steps of each variant with jax.profiler into <dir>/<variant> and print "
+    "its top ten ops (XLA thunks) by time with their HLO.",
+)
 _COMPARE_TIMM = flags.DEFINE_bool(
     "compare_timm",
     False,
@@ -48,7 +54,9 @@ def main(argv):
         raise app.UsageError("pass --config=configs/<file>.py[:variant]")
     if _BATCH.value:
         config.batch_size = _BATCH.value
-    results = benchmark.print_table(config, _VARIANTS.value.split(","), _STEPS.value)
+    results = benchmark.print_table(
+        config, _VARIANTS.value.split(","), _STEPS.value, profile_dir=_PROFILE_DIR.value
+    )
     if _COMPARE_TIMM.value:
         benchmark.compare_with_timm(config, results, _STEPS.value)
 

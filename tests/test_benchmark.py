@@ -3,7 +3,7 @@ count (RSPC's step does at least twice the plain step's work) and memory estimat
 
 import re
 
-from rspc_jax.tools import benchmark
+from rspc_jax.tools import benchmark, profiling
 from tests.conftest import run_python
 
 _ROW = r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+\s+\d+\.\d+\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)$"
@@ -56,3 +56,42 @@ def test_benchmark_counts_every_scanned_block():
         )
     ]
     assert rows[0] == rows[1]
+
+
+def test_profile_sums_the_steps_ops_and_names_their_hlo(tmp_path):
+    """A jitted matrix product + tanh: the profile's top op is the product's fusion (its
+    HLO names a dot), and only instructions of the compiled HLO are counted."""
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((512, 512))
+    compiled = step.lower(x).compile()
+    compiled(x).block_until_ready()
+    trace = profiling.trace(lambda: compiled(x).block_until_ready(), 3, str(tmp_path))
+    rows = profiling.top_ops(trace, compiled.as_text(), steps=3)
+    described = profiling.describe_ops(compiled.as_text())
+    assert rows and all(r["name"] in described for r in rows)
+    assert "dot" in rows[0]["what"] or rows[0]["what"].startswith("dot"), rows
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6  # every op of the step is listed
+    assert rows[0]["ms_per_step"] > 0
+
+
+def test_describe_ops_reads_fusions_and_plain_instructions():
+    hlo = """HloModule m
+
+%fused_computation (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  %exponential.1 = f32[4]{0} exponential(%param_0)
+  ROOT %add.2 = f32[4]{0} add(%exponential.1, %exponential.1)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %dot.3 = f32[4]{0} dot(%x, %x), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %loop_fusion = f32[4]{0} fusion(%dot.3), kind=kLoop, calls=%fused_computation
+}
+"""
+    described = profiling.describe_ops(hlo)
+    assert described["dot.3"] == "dot"
+    assert described["loop_fusion"] in ("fusion: exponential, add", "fusion: add, exponential")

@@ -1,7 +1,12 @@
 """Speed of train-step variants of a config's model, measured in one run (the library of
 `python -m rspc_jax.benchmark`, whose docstring says what the table holds)."""
 
+import json
+import os
+import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -9,6 +14,7 @@ import numpy as np
 
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
+from rspc_jax.tools import profiling
 from rspc_jax.training import ablations, setup
 
 # Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
@@ -67,8 +73,9 @@ def _train_parts(config, spec, mesh):
     return setup.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
 
 
-def time_step(config, spec, batch, steps: int) -> dict:
-    """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`."""
+def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
+    """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`; with
+    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops')."""
     mesh = parallel.create_mesh()
     parts = _train_parts(config, spec, mesh)
     state = parts.init(jax.random.PRNGKey(config.seed))
@@ -86,6 +93,16 @@ def time_step(config, spec, batch, steps: int) -> dict:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
+    top = None
+    if profile_dir:
+
+        def run_step():
+            nonlocal state
+            state, metrics = compiled(state, global_batch)
+            jax.block_until_ready(metrics)
+
+        trace_file = profiling.trace(run_step, 2, profile_dir)
+        top = profiling.top_ops(trace_file, compiled.as_text(), steps=2)
     flops = _step_flops(lowered)
     if config.get("scan_blocks"):
         # XLA counts a loop body once, not once per block: count the unrolled step (same math).
@@ -104,11 +121,13 @@ def time_step(config, spec, batch, steps: int) -> dict:
         mfu=flops / median / peak if peak and flops else None,
         step_bytes=_step_bytes(compiled),
         peak_bytes=stats.get("peak_bytes_in_use"),
+        top_ops=top,
     )
 
 
-def print_table(config, variants: list[str], steps: int) -> dict:
-    """Times every variant of `config` on one random batch and prints the table."""
+def print_table(config, variants: list[str], steps: int, profile_dir: str = "") -> dict:
+    """Times every variant of `config` on one random batch and prints the table (and, with
+    `profile_dir`, each variant's top ops from a profiler trace in <profile_dir>/<variant>)."""
     setup.validate_config(config)
     spec = datasets.dataset_spec(config.dataset)
     rng = np.random.default_rng(0)
@@ -119,7 +138,13 @@ def print_table(config, variants: list[str], steps: int) -> dict:
     }
     results = {}
     for name in variants:
-        results[name] = time_step(variant_config(config, name), spec, batch, steps)
+        results[name] = time_step(
+            variant_config(config, name),
+            spec,
+            batch,
+            steps,
+            profile_dir=os.path.join(profile_dir, name) if profile_dir else "",
+        )
     print(
         f"model {config.model_name}, global batch {config.batch_size} clean images per step "
         f"(RSPC and TRADES put 2x through the classifier), "
@@ -148,6 +173,9 @@ def print_table(config, variants: list[str], steps: int) -> dict:
     if {"plain", "rspc"} <= set(results):
         ratio = results["rspc"]["median_sec"] / results["plain"]["median_sec"]
         print(f"ratio rspc/plain step time: {ratio:.2f}")
+    for name, r in results.items():
+        if r["top_ops"]:
+            profiling.print_top_ops(name, r["top_ops"])
     return results
 
 
@@ -158,3 +186,43 @@ def variant_config(config, name: str):
         config.rspc.enabled = name == "rspc"
         return config
     return ablations.apply(config, name)
+
+
+def compare_with_timm(config, results: dict, steps: int) -> dict:
+    """Times timm's step of `config.model_name` in a fresh process and prints it beside our
+    steps: time ratio ours / timm (< 1 = we are faster) and both peak resident memories."""
+    spec = datasets.dataset_spec(config.dataset)
+    command = [
+        sys.executable,
+        "-m",
+        "rspc_jax.tools.timm_step",
+        f"--model={config.model_name}",
+        f"--batch={config.batch_size}",
+        f"--image_size={config.image_size}",
+        f"--num_classes={spec.num_classes}",
+        f"--steps={steps}",
+        f"--drop_path={config.model.get('drop_path_rate', 0.0)}",
+        f"--label_smoothing={config.label_smoothing}",
+        f"--ema_decay={config.ema_decay}",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"timm's step failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
+    timm = json.loads(done.stdout.strip().splitlines()[-1])
+    ours_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(
+        f"\nside by side with {timm['framework']} (same model, batch, drop path, smoothing, EMA):"
+    )
+    print(f"{'step':<20} {'median step s':>14} {'x timm (time)':>14} {'peak RSS MiB':>13}")
+    print(
+        f"{'timm':<20} {timm['median_sec']:>14.4f} {1.0:>14.2f} "
+        f"{timm['peak_rss_bytes'] / 2**20:>13.0f}"
+    )
+    for name, r in results.items():
+        ratio = r["median_sec"] / timm["median_sec"]
+        print(f"{name:<20} {r['median_sec']:>14.4f} {ratio:>14.2f} {ours_rss / 2**20:>13.0f}")
+    print(
+        "peak RSS: ru_maxrss of each process (ours: every variant above, compiles included; "
+        "run --variants=plain alone for the plain step's own)."
+    )
+    return timm

@@ -14,9 +14,9 @@ import statistics
 import time
 
 from absl import app, flags
+from clu import parameter_overview
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rspc_jax import models, rspc
 
@@ -58,10 +58,6 @@ _DTYPE = flags.DEFINE_enum(
 _REMAT = flags.DEFINE_bool("remat", False, "Rematerialise every block.")
 
 
-def parameter_count(params) -> int:
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
-
-
 def measure(
     name: str, *, batch: int, image_size: int, steps: int, compute_dtype, remat: bool
 ) -> dict:
@@ -99,7 +95,7 @@ def measure(
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return dict(
-        params=parameter_count(variables["params"]),
+        params=int(parameter_overview.count_parameters(variables["params"])),
         compile_sec=compile_sec,
         median_sec=median,
         images_per_sec=batch / median,

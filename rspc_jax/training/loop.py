@@ -8,6 +8,7 @@ import signal
 import threading
 
 from absl import logging
+from clu import parameter_overview
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -198,7 +199,7 @@ def train_and_evaluate(
     logger.write_hparams(
         {k: v for k, v in _flat(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
     )
-    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    num_params = int(parameter_overview.count_parameters(state.params))
     logging.info(
         f"Model {config.model_name}: {num_params:,} parameters; RSPC "
         f"{'on' if config.rspc.enabled else 'off'}; {jax.device_count()} devices "
