@@ -1,5 +1,6 @@
-"""FAN-Hybrid against the official PyTorch code: sizes, state-dict layout, the eval fixture,
-sown FAN blocks, and one RSPC training step (tolerances: docs/testing.md, "Reference fixtures and skips")."""
+"""FAN-Hybrid against the official PyTorch code: sizes, state-dict layout, every eval fixture
+of kind fan_classifier, sown FAN blocks, and one RSPC training step (tolerances:
+docs/testing.md, "Reference fixtures and skips")."""
 
 import functools
 import json
@@ -13,7 +14,15 @@ from rspc_jax import models, rspc
 from rspc_jax.interop import layout as torch_layout
 from rspc_jax.interop import state_dicts as interop
 from rspc_jax.models import fan
-from tests.conftest import FIXTURES, activation_tol, assert_close, fixture_dir, torch_keys_manifest
+from tests.conftest import (
+    FIXTURES,
+    activation_tol,
+    assert_close,
+    fixture_cases,
+    load_case,
+    official_model,
+    torch_keys_manifest,
+)
 
 VARIANTS = (
     "fan_tiny_8_p4_hybrid",
@@ -24,29 +33,6 @@ VARIANTS = (
     "fan_small_12_p16_224",
 )
 IMAGES_224 = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
-
-
-def _model_from_official(constructor: dict) -> fan.FAN:
-    """`FAN(backbone=_create_hybrid_backbone(**b), **kwargs)` -> fan.FAN."""
-    backbone, kwargs = constructor["backbone"]["kwargs"], constructor["kwargs"]
-    assert kwargs["img_size"] == fan.IMAGE_SIZE and not kwargs.get("sharpen_attn", False)
-    assert not backbone["use_head"] and kwargs.get("c_head_num") is None
-    depths = tuple(backbone["depths"])
-    return fan.FAN(
-        num_classes=kwargs["num_classes"],
-        embed_dim=kwargs["embed_dim"],
-        depth=kwargs["depth"],
-        num_heads=kwargs["num_heads"],
-        mlp_ratio=kwargs["mlp_ratio"],
-        qkv_bias=kwargs["qkv_bias"],
-        stem_depths=depths,
-        stem_dims=tuple(backbone["dims"][: len(depths)]),
-        hybrid_patch_size=kwargs.get("hybrid_patch_size", 2),
-        cls_attn_layers=kwargs["cls_attn_layers"],
-        tokens_norm=kwargs["tokens_norm"],
-        eta=kwargs["eta"],
-        drop_path_rate=kwargs.get("drop_path_rate", 0.0),
-    )
 
 
 def _zeros_like_manifest(entries) -> dict:
@@ -88,12 +74,12 @@ def _nchw_to_tokens(x):
     return x.reshape(*x.shape[:2], -1).transpose(0, 2, 1)
 
 
-def test_reduced_fixture_eval_parity():
-    path = fixture_dir("fan_t_hybrid_reduced")
-    config = json.loads((path / "config.json").read_text())
-    model = _model_from_official(config["constructor"])
-    variables = interop.init_and_load(model, str(path / "state_dict.npz"))
-    ref = dict(np.load(path / "outputs.npz"))
+@pytest.mark.parametrize("case", fixture_cases("fan_classifier"))
+def test_reduced_fixture_eval_parity(case):
+    case = load_case(case, "fan_classifier")
+    config, ref = case.config, case.outputs
+    model = official_model(config["constructor"], case.image_shape)
+    variables = interop.init_and_load(model, case.state_dict(), image_size=case.image_shape[0])
     debug = ("backbone", "patch_embed", "pos_embed", "norm") + tuple(
         f"cls_attn_blocks_{i}" for i in range(model.cls_attn_layers)
     )
@@ -106,19 +92,20 @@ def test_reduced_fixture_eval_parity():
         )
     )
     with jax.default_matmul_precision("highest"):
-        logits, state = forward(variables, np.load(path / "inputs.npz")["x_nhwc"])
+        logits, state = forward(variables, case.inputs["x_nhwc"])
     captured = {
         name: state["intermediates"][name]["__call__"][0] for name in debug if name != "backbone"
     }
     ours = {
         "logits": logits,
-        "backbone_features": np.asarray(
-            state["intermediates"]["patch_embed"]["backbone"]["__call__"][0]
-        ).transpose(0, 3, 1, 2),
         "patch_embed": np.asarray(captured["patch_embed"]).reshape(ref["patch_embed"].shape),
         "pos_encoding": captured["pos_embed"],
         "features": captured["norm"][:, 0],
     }
+    if model.hybrid:  # the ConvNeXt stem's output (FAN-ViT has no backbone)
+        ours["backbone_features"] = np.asarray(
+            state["intermediates"]["patch_embed"]["backbone"]["__call__"][0]
+        ).transpose(0, 3, 1, 2)
     ours.update(
         {
             f"cls_attn_block_{i:02d}": captured[f"cls_attn_blocks_{i}"][0]  # (x, attn)
