@@ -3,7 +3,6 @@
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import numpy as np
 
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
-from rspc_jax.tools import profiling
+from rspc_jax.tools import profiling, timm_step
 from rspc_jax.training import ablations, setup
 
 # Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
@@ -102,7 +101,10 @@ def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
             jax.block_until_ready(metrics)
 
         trace_file = profiling.trace(run_step, 2, profile_dir)
-        top = profiling.top_ops(trace_file, compiled.as_text(), steps=2)
+        hlo = compiled.as_text()
+        with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
+            f.write(hlo)  # the optimised HLO the trace's op names refer to
+        top = profiling.top_ops(trace_file, hlo, steps=2, count=None)
     flops = _step_flops(lowered)
     if config.get("scan_blocks"):
         # XLA counts a loop body once, not once per block: count the unrolled step (same math).
@@ -175,7 +177,8 @@ def print_table(config, variants: list[str], steps: int, profile_dir: str = "") 
         print(f"ratio rspc/plain step time: {ratio:.2f}")
     for name, r in results.items():
         if r["top_ops"]:
-            profiling.print_top_ops(name, r["top_ops"])
+            profiling.print_top_ops(f"{name}, by kind", profiling.by_kind(r["top_ops"]))
+            profiling.print_top_ops(name, r["top_ops"][:10])
     return results
 
 
@@ -209,7 +212,7 @@ def compare_with_timm(config, results: dict, steps: int) -> dict:
     if done.returncode:
         raise RuntimeError(f"timm's step failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
     timm = json.loads(done.stdout.strip().splitlines()[-1])
-    ours_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ours_rss = timm_step.peak_rss_bytes()
     print(
         f"\nside by side with {timm['framework']} (same model, batch, drop path, smoothing, EMA):"
     )

@@ -57,8 +57,9 @@ def describe_ops(hlo_text: str) -> dict[str, str]:
     return described
 
 
-def top_ops(trace_file: str, hlo_text: str, steps: int, count: int = 10) -> list[dict]:
-    """The `count` ops with the most time per step, their share of all op time and calls."""
+def top_ops(trace_file: str, hlo_text: str, steps: int, count: int | None = 10) -> list[dict]:
+    """The `count` ops (None: all) with the most time per step, their share of all op time
+    and calls."""
     profile = jax.profiler.ProfileData.from_file(trace_file)
     described = describe_ops(hlo_text)
     totals, calls = collections.Counter(), collections.Counter()
@@ -80,6 +81,19 @@ def top_ops(trace_file: str, hlo_text: str, steps: int, count: int = 10) -> list
         )
         for name, nanoseconds in totals.most_common(count)
     ]
+
+
+def by_kind(rows: list[dict], count: int = 10) -> list[dict]:
+    """`top_ops(..., count=None)` rows summed by what they are (their HLO description)."""
+    kinds: dict[str, dict] = {}
+    for r in rows:
+        kind = kinds.setdefault(
+            r["what"], dict(name=r["what"], ms_per_step=0.0, share=0.0, calls_per_step=0.0)
+        )
+        for key in ("ms_per_step", "share", "calls_per_step"):
+            kind[key] += r[key]
+    ranked = sorted(kinds.values(), key=lambda k: -k["ms_per_step"])[:count]
+    return [dict(k, what=k["name"]) for k in ranked]
 
 
 def print_top_ops(title: str, rows: list[dict]) -> None:

@@ -10,21 +10,20 @@ peak memory (ru_maxrss) is its own; the last line printed is a JSON record.
 """
 
 import json
-import resource
 import statistics
 import time
 
 from absl import app, flags
 
-_MODEL = flags.DEFINE_string("model", None, "timm model name.", required=True)
-_BATCH = flags.DEFINE_integer("batch", 8, "Images per step.")
-_IMAGE_SIZE = flags.DEFINE_integer("image_size", 224, "Square input size.")
-_NUM_CLASSES = flags.DEFINE_integer("num_classes", 1000, "Classes of the head.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps (after one warm-up step).")
-_DROP_PATH = flags.DEFINE_float("drop_path", 0.1, "Stochastic depth rate.")
-_SMOOTHING = flags.DEFINE_float("label_smoothing", 0.1, "Label smoothing.")
-_EMA = flags.DEFINE_float("ema_decay", 0.0, "EMA decay (0 = no EMA).")
-_THREADS = flags.DEFINE_integer("threads", 0, "torch threads (0 = all cores).")
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss it starts afresh at exec,
+    so a child started from a big parent reports its own)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
 
 
 def time_timm_step(
@@ -84,7 +83,7 @@ def time_timm_step(
     return dict(
         framework=f"PyTorch {torch.__version__}, timm {timm.__version__}",
         median_sec=statistics.median(times),
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        peak_rss_bytes=peak_rss_bytes(),
         num_parameters=sum(p.numel() for p in model.parameters()),
     )
 
@@ -92,19 +91,34 @@ def time_timm_step(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    f = flags.FLAGS
     result = time_timm_step(
-        _MODEL.value,
-        batch=_BATCH.value,
-        image_size=_IMAGE_SIZE.value,
-        num_classes=_NUM_CLASSES.value,
-        steps=_STEPS.value,
-        drop_path=_DROP_PATH.value,
-        label_smoothing=_SMOOTHING.value,
-        ema_decay=_EMA.value,
-        threads=_THREADS.value,
+        f.model,
+        batch=f.batch,
+        image_size=f.image_size,
+        num_classes=f.num_classes,
+        steps=f.steps,
+        drop_path=f.drop_path,
+        label_smoothing=f.label_smoothing,
+        ema_decay=f.ema_decay,
+        threads=f.threads,
     )
     print(json.dumps(result))
 
 
+def _define_flags() -> None:
+    """Defined only when run as a program: the benchmark CLI imports this module."""
+    flags.DEFINE_string("model", None, "timm model name.", required=True)
+    flags.DEFINE_integer("batch", 8, "Images per step.")
+    flags.DEFINE_integer("image_size", 224, "Square input size.")
+    flags.DEFINE_integer("num_classes", 1000, "Classes of the head.")
+    flags.DEFINE_integer("steps", 5, "Timed steps (after one warm-up step).")
+    flags.DEFINE_float("drop_path", 0.1, "Stochastic depth rate.")
+    flags.DEFINE_float("label_smoothing", 0.1, "Label smoothing.")
+    flags.DEFINE_float("ema_decay", 0.0, "EMA decay (0 = no EMA).")
+    flags.DEFINE_integer("threads", 0, "torch threads (0 = all cores).")
+
+
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
