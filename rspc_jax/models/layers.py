@@ -1,7 +1,6 @@
 """Building blocks shared by the transformer models (timm semantics, PyTorch names)."""
 
 from collections.abc import Callable
-import functools
 
 import flax.linen as nn
 import jax
@@ -9,8 +8,14 @@ import jax.numpy as jnp
 
 from rspc_jax.models import ops
 
-# PyTorch's nn.GELU is the exact erf form; flax's default is the tanh approximation.
-gelu = functools.partial(nn.gelu, approximate=False)
+
+def gelu(x: jax.Array) -> jax.Array:
+    """Exact GELU, 0.5 x (1 + erf(x / sqrt 2)): PyTorch's nn.GELU (flax's default is the tanh
+    approximation). Written with erf as PyTorch does: `nn.gelu(approximate=False)` uses
+    erfc, which XLA:CPU evaluates ~4.5x slower (forward + backward, 1576 x 1536, 2 cores),
+    for the same values to 1e-6."""
+    return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(0.7071067811865476, x.dtype)))
+
 
 # timm initialises Linear layers with trunc-normal(0.02) and zero bias.
 dense_init = nn.initializers.truncated_normal(stddev=0.02)
@@ -102,7 +107,8 @@ class DropPath(nn.Module):
         keep = 1.0 - self.rate
         shape = (x.shape[0],) + (1,) * (x.ndim - 1)
         mask = jax.random.bernoulli(self.make_rng("dropout"), keep, shape)
-        return jnp.where(mask, x / keep, 0.0).astype(x.dtype)
+        # timm's arithmetic (x / keep * mask): one fused elementwise loop, no select.
+        return x / keep * mask.astype(x.dtype)
 
 
 class Mlp(nn.Module):
@@ -149,16 +155,20 @@ class Attention(nn.Module):
         head_dim = dim // self.num_heads
         init = linear_init(dim, self.torch_init)
         qkv = nn.Dense(3 * dim, use_bias=self.qkv_bias, **init, name="qkv")(x)
-        qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim)
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * head_dim**-0.5
+        # Heads-major (3, B, heads, N, head_dim) in one copy, so that both attention products
+        # are batched over leading axes (no transposes around them; -20% forward+backward
+        # of a DeiT-S attention layer on 2 CPU cores against slicing qkv per head).
+        qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) * head_dim**-0.5
         if self.paas:
             logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)
         attn = _softmax(logits.astype(jnp.float32), key_keep).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
-        out = jnp.einsum("bhqk,bkhd->bqhd", attn_dropped, v).reshape(batch, tokens, dim)
+        out = jnp.einsum("bhqk,bhkd->bhqd", attn_dropped, v)
+        out = out.transpose(0, 2, 1, 3).reshape(batch, tokens, dim)
         out = nn.Dense(dim, **init, name="proj")(out)
         return nn.Dropout(self.dropout, deterministic=not train)(out), attn
 
