@@ -137,11 +137,45 @@ def depthwise_conv_shifted(
     multiplier = kernel.shape[-1] // x.shape[-1]
     if multiplier > 1:
         x = jnp.repeat(x, multiplier, axis=-1)
+    if strides == 1 and padding < kernel.shape[0]:
+        return _depthwise_stride1(x, kernel[:, :, 0], padding)
+    return _shifted_sum(x, kernel[:, :, 0], strides, padding)
+
+
+def _shifted_sum(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """sum over (i, j) of window (i, j) of x times kernel[i, j] (kernel (k, k, C))."""
     size = kernel.shape[0]
     windows = _windows(x, size, strides, padding)
     return functools.reduce(
-        jnp.add, [w * kernel[i // size, i % size, 0] for i, w in enumerate(windows)]
+        jnp.add, [w * kernel[i // size, i % size] for i, w in enumerate(windows)]
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _depthwise_stride1(x: jax.Array, kernel: jax.Array, padding: int) -> jax.Array:
+    """`_shifted_sum` at stride 1 with a hand-written backward: autodiff would turn each of
+    the k*k slices into a pad of the output gradient and add them up (k*k full-size
+    passes; 0.39 s of RVT-Ti*'s 1.5 s step on 2 cores), while the input gradient is itself
+    a stride-1 depthwise correlation with the flipped kernel, one fused shifted sum."""
+    return _shifted_sum(x, kernel, 1, padding)
+
+
+def _depthwise_stride1_fwd(x, kernel, padding):
+    return _shifted_sum(x, kernel, 1, padding), (x, kernel)
+
+
+def _depthwise_stride1_bwd(padding, residuals, grad):
+    x, kernel = residuals
+    size = kernel.shape[0]
+    grad_x = _shifted_sum(grad, kernel[::-1, ::-1], 1, size - 1 - padding)
+    windows = _windows(x, size, 1, padding)
+    grad_kernel = jnp.stack([jnp.sum(w * grad, axis=(0, 1, 2)) for w in windows]).reshape(
+        kernel.shape
+    )
+    return grad_x.astype(x.dtype), grad_kernel.astype(kernel.dtype)
+
+
+_depthwise_stride1.defvjp(_depthwise_stride1_fwd, _depthwise_stride1_bwd)
 
 
 def grouped_conv_reference(
