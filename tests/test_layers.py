@@ -144,3 +144,29 @@ def test_an_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="not one of"):
         with ops.implementation("cudnn"):
             pass
+
+
+def test_layer_norm_gradient_equals_autodiff_of_the_two_pass_form():
+    """`standardize`'s written-out backward against autodiff of the plain formula, and the
+    module against flax's two-pass LayerNorm (same parameter names and values)."""
+    x = 3.0 + jax.random.normal(jax.random.PRNGKey(0), (4, 7, 32))
+    target = jax.random.normal(jax.random.PRNGKey(1), x.shape)
+
+    def two_pass(x):
+        centered = x - x.mean(-1, keepdims=True)
+        return centered * jax.lax.rsqrt(jnp.mean(centered**2, -1, keepdims=True) + 1e-6)
+
+    ours = jax.grad(lambda x: jnp.sum(layers.standardize(x, 1e-6) * target))(x)
+    expected = jax.grad(lambda x: jnp.sum(two_pass(x) * target))(x)
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5)
+    reference = nn.LayerNorm(epsilon=1e-6, use_fast_variance=False)
+    variables = reference.init(jax.random.PRNGKey(2), x)
+    variables = jax.tree.map(
+        lambda v: v + 0.3 * jax.random.normal(jax.random.PRNGKey(3), v.shape), variables
+    )
+    np.testing.assert_allclose(
+        layers.LayerNorm(1e-6).apply(variables, x),
+        reference.apply(variables, x),
+        rtol=1e-5,
+        atol=1e-5,
+    )

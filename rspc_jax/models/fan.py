@@ -34,9 +34,9 @@ FOURIER_HIDDEN = 32
 FOURIER_TEMPERATURE = 10000.0
 
 
-def _layer_norm(name: str, eps: float = LAYERNORM_EPS) -> nn.LayerNorm:
+def _layer_norm(name: str, eps: float = LAYERNORM_EPS) -> layers.LayerNorm:
     """Two-pass variance, as PyTorch computes it (flax defaults to the one-pass form)."""
-    return nn.LayerNorm(epsilon=eps, use_fast_variance=False, name=name)
+    return layers.LayerNorm(epsilon=eps, name=name)
 
 
 class LayerNorm2d(nn.Module):

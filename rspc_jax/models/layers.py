@@ -1,6 +1,7 @@
 """Building blocks shared by the transformer models (timm semantics, PyTorch names)."""
 
 from collections.abc import Callable
+import functools
 
 import flax.linen as nn
 import jax
@@ -93,6 +94,52 @@ class DepthwiseConv(nn.Module):
         bias = self.param("bias", self.bias_init, (self.features,))
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias)
         return ops.depthwise_conv(x, kernel, self.strides, self.padding) + bias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def standardize(x: jax.Array, epsilon: float) -> jax.Array:
+    """(x - mean) / sqrt(var + epsilon) over the last axis with the two-pass variance
+    (PyTorch's numerics), in float32. Its backward is written out (the textbook LayerNorm
+    gradient): XLA:CPU turned the autodiff of the two-pass form into one loop fusion of
+    ~1,000 instructions that recomputed every later block's normalisation (53% of the
+    XCiT-S12 step; 5.1 -> 2.1 s at batch 8 on 2 cores without it)."""
+    return _standardize_fwd(x, epsilon)[0]
+
+
+def _standardize_fwd(x, epsilon):
+    x32 = x.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    inv_std = jax.lax.rsqrt(jnp.mean(jnp.square(centered), axis=-1, keepdims=True) + epsilon)
+    normalized = centered * inv_std
+    return normalized.astype(x.dtype), (normalized, inv_std)
+
+
+def _standardize_bwd(epsilon, residuals, grad):
+    normalized, inv_std = residuals
+    grad32 = grad.astype(jnp.float32)
+    grad_x = inv_std * (
+        grad32
+        - jnp.mean(grad32, axis=-1, keepdims=True)
+        - normalized * jnp.mean(grad32 * normalized, axis=-1, keepdims=True)
+    )
+    return (grad_x.astype(grad.dtype),)
+
+
+standardize.defvjp(_standardize_fwd, _standardize_bwd)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis with PyTorch's two-pass variance (`standardize`), and
+    flax's parameter names (scale, bias)."""
+
+    epsilon: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x):
+        features = (x.shape[-1],)
+        scale = self.param("scale", nn.initializers.ones, features)
+        bias = self.param("bias", nn.initializers.zeros, features)
+        return standardize(x, self.epsilon) * scale + bias
 
 
 class DropPath(nn.Module):
