@@ -23,8 +23,8 @@ MANIFESTS = (
 
 
 def _reference_counts() -> dict[str, int]:
-    """The XCiT rows of docs/architectures.md, "XCiT variants": | `name` | ... | params | entries |."""
-    path = REPO / "docs" / "architectures.md"
+    """The XCiT rows of docs/models.md, "XCiT variants": | `name` | ... | params | entries |."""
+    path = REPO / "docs" / "models.md"
     rows = re.findall(r"^\| `(xcit_\w+)` \|.*\| ([\d,]+) \| \d+ \|$", path.read_text(), re.M)
     return {name: int(count.replace(",", "")) for name, count in rows}
 

@@ -3,7 +3,7 @@
 Flax modules are named after the PyTorch attributes, with `_<i>` standing for the
 ModuleList / Sequential index `.<i>` (`transformers_0/blocks_3/attn/qkv`). A flax leaf
 then names one PyTorch key (`transformers.0.blocks.3.attn.qkv.weight`), and its layout
-follows from the leaf kind (docs/architectures.md, "PyTorch layout rules"):
+follows from the leaf kind (docs/models.md, "PyTorch layout rules"):
 
 * `kernel` of ndim 2: Linear weight (out, in) -> (in, out);
 * `kernel` of ndim >= 3: Conv weight (out, in/groups, *spatial) -> (*spatial, in/groups, out)
