@@ -162,7 +162,7 @@ def test_the_checks_catch_upward_imports_and_cycles():
 
 _OUTSIDE = re.compile(
     r"rspc-method\.md|eval-protocols\.md|jax-stack\.md|style-anchors\.md"
-    r"|architectures\.md §|shared/reference(?!/fixtures)|/work/"
+    r"|architectures\.md|shared/reference(?!/fixtures)|/work/"
 )
 
 
