@@ -95,3 +95,9 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     described = profiling.describe_ops(hlo)
     assert described["dot.3"] == "dot"
     assert described["loop_fusion"] in ("fusion: exponential, add", "fusion: add, exponential")
+
+
+def test_compare_timm_refuses_a_model_timm_does_not_have():
+    result = run_python(["-m", "rspc_jax.tools.timm_step", "--model=rvt_tiny_plus"], timeout=120)
+    assert result.returncode != 0
+    assert "rvt_tiny_plus is not a timm model" in result.stderr

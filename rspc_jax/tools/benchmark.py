@@ -210,7 +210,8 @@ def compare_with_timm(config, results: dict, steps: int) -> dict:
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"timm's step failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"--compare_timm: timm's step failed: {reason}")
     timm = json.loads(done.stdout.strip().splitlines()[-1])
     ours_rss = timm_step.peak_rss_bytes()
     print(

@@ -51,6 +51,12 @@ def time_timm_step(
             "pip install -r requirements-torch.txt"
         ) from None
 
+    if not timm.is_model(model_name):
+        raise SystemExit(
+            f"{model_name} is not a timm model, so there is no timm step to compare with; "
+            "--compare_timm covers the ViT/DeiT and XCiT configs (for RVT and FAN, time the "
+            "official code: docs/speed.md)"
+        )
     torch.set_num_threads(threads or os.cpu_count())
     torch.manual_seed(0)
     model = timm.create_model(model_name, num_classes=num_classes, drop_path_rate=drop_path)
