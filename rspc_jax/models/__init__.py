@@ -86,4 +86,4 @@ def abstract_variables(model: nn.Module, image_size: int) -> dict:
 
 
 # Importing the model modules registers them.
-from rspc_jax.models import fan, rvt, vit, xcit  # noqa: E402,F401
+from rspc_jax.models import cait, fan, rvt, swin, vit, xcit  # noqa: E402,F401
