@@ -1,13 +1,15 @@
 """White-box attacks (docs/evaluation.md, "Attacks") on tiny models: budgets, attack
 strength ordering, APGD's schedule and step-size logic against a loop transcription of 6.3,
-analytic worst cases of linear models, the DLR formulas and Patch-Fool's patch choice."""
+analytic worst cases of linear models, the DLR formulas, FAB-T's minimal norms and
+projection, Square's success exactly where an adversarial example exists, the AutoAttack
+cascade's stage bookkeeping, EOT and Patch-Fool's patch choice."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax.evaluation import attacks
+from rspc_jax.evaluation import attacks, autoattack, fab, square
 
 D = 8 * 8 * 3
 K = 5
@@ -62,9 +64,9 @@ def mlp_attacks():
             lambda x, y, rng, eps: attacks.apgd(model, x, y, rng, eps=eps, loss="dlr")[0]
         ),
         "autoattack": jax.jit(
-            lambda x, y, rng, eps: attacks.autoattack(
-                model, x, y, rng, eps=eps, n_target_classes=K - 1
-            )[1]
+            lambda x, y, rng, eps: autoattack.autoattack(
+                model, x, y, rng, eps=eps, n_target_classes=K - 1, n_queries=300
+            ).robust["square"]
         ),
     }
     return model, x, y, jit
@@ -238,26 +240,6 @@ def test_apgd_reaches_the_analytic_worst_case_of_a_binary_linear_model(loss):
     assert np.all(np.argmax(np.asarray(model(x_adv)), -1)[fooled] != y[fooled])
 
 
-def test_autoattack_reaches_the_analytic_robust_accuracy_of_a_linear_model():
-    """A K-class linear model is robust at x iff every pairwise worst margin is positive;
-    the targeted APGD-DLR runs, one per other class, must find each violated pair."""
-    w, b, model = _linear(0)
-    x = _images(1)
-    y = np.argmax(np.asarray(model(x)), -1)
-    y[:4] = (y[:4] + 1) % K  # clean errors
-    run = jax.jit(
-        lambda x, y, rng, eps: attacks.autoattack(
-            model, x, y, rng, eps=eps, n_target_classes=K - 1
-        )[1]
-    )
-    for eps in (2 / 255, 4 / 255):
-        worst = _linear_worst_margin(w, b, x, y, eps)
-        robust = np.asarray(run(x, y, jax.random.PRNGKey(2), eps))
-        assert 0 < robust.sum() < len(x) - 4
-        assert not robust[:4].any()
-        np.testing.assert_array_equal(robust, worst > 0)
-
-
 def test_autoattack_targets_are_the_2nd_to_10th_highest_clean_logits():
     z = np.random.RandomState(0).permutation(12 * 3).reshape(3, 12).astype(np.float32)
     targets = np.asarray(attacks.autoattack_targets(z, 9))
@@ -289,6 +271,290 @@ def test_dlr_losses_match_the_formulas():
     np.testing.assert_allclose(
         attacks.dlr_targeted_loss(z, y, t), _np_dlr_targeted(z, y, t), rtol=1e-5, atol=1e-6
     )
+
+
+# ----- EOT, FAB-T, Square and the AutoAttack cascade ------------------------------------
+
+
+def _binary_linear(seed, images_seed):
+    """Classes 0 and 1 compete (about half the points each), class 2 is never close."""
+    w, b, _ = _linear(seed, num_classes=3)
+    w[:, 2], b[2] = 0.0, -1e3
+    x = _images(images_seed)
+    b[1] = b[0] + np.median(x.reshape(len(x), -1) @ (w[:, 0] - w[:, 1]))
+    return w, b, x, lambda v: v.reshape(v.shape[0], -1) @ w + b
+
+
+def _noisy_gradients(model, scale=3.0):
+    """A randomised model(pixels, key): the logits of `model`, but every draw adds a random
+    gradient (its value is 0) of `scale` times the size of the true one."""
+
+    def randomised(v, key):
+        flat = v.reshape(v.shape[0], -1)
+        noise = scale * jax.random.normal(key, (flat.shape[1], 3))
+        return model(v) + (flat - jax.lax.stop_gradient(flat)) @ noise
+
+    return randomised
+
+
+def test_eot_averages_the_gradients_of_a_randomised_model():
+    """A binary linear model with noisy gradients: averaged over 20 draws APGD reaches the
+    analytic robust set, as on the plain model; one draw per step leaves points unbroken."""
+    w, b, x, model = _binary_linear(7, 8)
+    y = np.argmax(np.asarray(model(x)), -1)
+    randomised = _noisy_gradients(model)
+
+    run = jax.jit(
+        lambda eot_iter: attacks.apgd(
+            randomised, x, y, jax.random.PRNGKey(0), eps=4 / 255, eot_iter=eot_iter
+        )[1],
+        static_argnums=0,
+    )
+    analytic = _linear_worst_margin(w, b, x, y, 4 / 255) > 0
+    np.testing.assert_array_equal(np.asarray(run(20)), analytic)
+    assert np.asarray(run(1)).sum() > analytic.sum()
+
+
+def _min_linf_step(points, w, shift):
+    """Per row, by bisection: the smallest lam with sum_i |w_i| min(lam, room_i) >= |shift|,
+    room_i the distance to the face of [0, 1] that coordinate i moves to, i.e. the smallest
+    L-inf step delta in the box with w . delta = shift (inf where the box cannot reach)."""
+    smallest = []
+    for t, w_row, r in zip(points, w, shift):
+        room = np.where(np.sign(r) * w_row > 0, 1.0 - t, t)
+        reach = lambda lam: np.sum(np.abs(w_row) * np.minimum(lam, room))  # noqa: B023
+        if reach(1.0) < abs(r):
+            smallest.append(np.inf)
+            continue
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            low, high = (
+                (low, (low + high) / 2)
+                if reach((low + high) / 2) >= abs(r)
+                else ((low + high) / 2, high)
+            )
+        smallest.append(high)
+    return np.array(smallest)
+
+
+def _on_faces(x, seed, fraction=0.25):
+    """x with a `fraction` of its pixels moved to 0 or 1, so that the box constrains steps."""
+    rs = np.random.RandomState(seed)
+    x = x.copy()
+    faces = rs.rand(*x.shape) < fraction
+    x[faces] = rs.randint(0, 2, faces.sum())
+    return x
+
+
+def test_fab_projection_is_the_smallest_step_in_the_box():
+    rs = np.random.RandomState(0)
+    points = _on_faces(rs.rand(32, 48), 1)
+    w = rs.randn(32, 48)
+    w[:, 40:] = 0.0
+    shift = rs.randn(32) * 2
+    shift[-4:] = 40.0 * np.sign(shift[-4:])  # beyond the box
+    delta = np.asarray(
+        fab.linf_step_to_hyperplane(*(jnp.asarray(a, jnp.float32) for a in (points, w, shift)))
+    )
+    smallest = _min_linf_step(points, w, shift)
+    reachable = np.isfinite(smallest)
+    assert reachable[:-4].all() and not reachable[-4:].any()
+    np.testing.assert_allclose(np.abs(delta).max(1)[reachable], smallest[reachable], rtol=1e-4)
+    np.testing.assert_allclose((w * delta).sum(1)[reachable], shift[reachable], rtol=1e-4)
+    moved = points + delta
+    assert moved.min() >= -1e-6 and moved.max() <= 1 + 1e-6
+    assert np.all(delta[:, 40:] == 0)
+    # Beyond the box: the corner nearest to the hyperplane.
+    corner = np.where(np.sign(shift)[:, None] * w > 0, 1.0, 0.0)
+    np.testing.assert_allclose(moved[-4:, :40], corner[-4:, :40], atol=1e-6)
+
+
+def _linear_min_perturbation(w, b, x, y, target):
+    """Per example the smallest L-inf perturbation within [0, 1] after which z_target >= z_y."""
+    flat = x.reshape(len(x), -1).astype(np.float64)
+    towards = (w[:, target] - w[:, y]).T.astype(np.float64)
+    gap = (flat * towards).sum(1) + b[target] - b[y]
+    return _min_linf_step(flat, towards, -gap)
+
+
+def test_fab_t_ends_within_1_percent_of_the_minimal_perturbation_of_a_linear_model():
+    """FAB-T towards the competing class of a binary linear model: never below the exact
+    box-constrained minimum, at most 1 % above it; a quarter of the pixels sit on the box's
+    faces, so the box binds (the minimum exceeds the unconstrained |gap| / ||w||_1)."""
+    w, b, x, model = _binary_linear(10, 11)
+    x = _on_faces(x, 12)
+    y = np.argmax(np.asarray(model(x)), -1)
+    target = 1 - y
+    minimum = _linear_min_perturbation(w, b, x, y, target)
+    flat = x.reshape(len(x), -1)
+    unconstrained = ((flat @ (w[:, 0] - w[:, 1]) + b[0] - b[1]) * (1 - 2 * y)) / np.abs(
+        w[:, 0] - w[:, 1]
+    ).sum()
+    assert np.all(np.isfinite(minimum)) and np.mean(minimum > 1.05 * unconstrained) > 0.5
+    x_adv, distance = jax.jit(lambda x, y, t: fab.fab_targeted(model, x, y, t))(x, y, target)
+    distance = np.asarray(distance)
+    assert np.all(distance >= minimum * (1 - 1e-5)), (distance / minimum).min()
+    assert np.all(distance <= minimum * 1.01), (distance / minimum).max()
+    assert np.all(np.argmax(np.asarray(model(x_adv)), -1) != y)
+    np.testing.assert_allclose(np.abs(np.asarray(x_adv) - x).reshape(B, -1).max(1), distance)
+
+
+def test_square_breaks_a_linear_model_exactly_where_eps_allows():
+    """The smallest adversarial perturbation of a linear model (over all classes, within the
+    box) is known: Square can break no point above eps, and with enough queries breaks
+    every point whose minimum is at most eps / 1.5; the robust ones spend every query."""
+    w, b, model = _linear(12, num_classes=4)
+    x = _images(13)
+    y = np.argmax(np.asarray(model(x)), -1)
+    minimum = np.min(
+        [
+            np.where(y == k, np.inf, _linear_min_perturbation(w, b, x, y, np.full(B, k)))
+            for k in range(4)
+        ],
+        axis=0,
+    )
+    eps = float(np.median(minimum))
+    n_queries = 3000
+    x_adv, robust, queries = jax.jit(
+        lambda x, y, rng: square.square(model, x, y, rng, eps=eps, n_queries=n_queries)
+    )(x, y, jax.random.PRNGKey(0))
+    robust, queries = np.asarray(robust), np.asarray(queries)
+    assert robust[minimum > eps].all()
+    clear = minimum <= eps / 1.5
+    assert clear.sum() >= 16 and not robust[clear].any()
+    fooled = ~robust
+    assert np.all(np.argmax(np.asarray(model(x_adv)), -1)[fooled] != y[fooled])
+    assert np.abs(np.asarray(x_adv) - x).max() <= eps + 1e-6
+    np.testing.assert_array_equal(queries[robust], n_queries + 1)
+    assert np.all(queries[fooled] <= n_queries)
+
+
+def test_square_schedule_and_window():
+    p = [
+        square.square_fraction(i, p_init=0.8, n_queries=5000, rescale_schedule=False)
+        for i in (0, 10, 11, 50, 51, 4001, 6001, 8001)
+    ]
+    np.testing.assert_allclose(p, 0.8 / 2.0 ** np.array([0, 0, 1, 1, 2, 7, 8, 9]))
+    # Rescaled to the 10,000-query schedule: iteration 6 of 5,000 is iteration 12.
+    assert square.square_fraction(6, p_init=0.8, n_queries=5000, rescale_schedule=True) == 0.4
+    assert square.square_fraction(5, p_init=0.8, n_queries=5000, rescale_schedule=True) == 0.8
+    sides = [int(square.window_side(p, 8, 8)) for p in (0.8, 0.1, 0.01, 0.0001)]
+    assert sides == [7, 3, 1, 1]  # round(sqrt(p * 64)), capped at h - 1, at least 1
+
+
+N_QUERIES = 1000
+
+
+@pytest.fixture(scope="module")
+def cascade_on_linear():
+    """The standard cascade (one jit) on a 5-class linear model at eps 4/255, first four
+    points misclassified, with honest and with masked (stop_gradient) gradients."""
+    w, b, model = _linear(0)
+    x = _images(1)
+    y = np.argmax(np.asarray(model(x)), -1)
+    y[:4] = (y[:4] + 1) % K  # clean errors
+    run = jax.jit(
+        lambda logits_fn: autoattack.autoattack(
+            logits_fn,
+            x,
+            y,
+            jax.random.PRNGKey(2),
+            eps=4 / 255,
+            n_target_classes=K - 1,
+            n_queries=N_QUERIES,
+        ),
+        static_argnums=0,
+    )
+    return w, b, x, y, model, run
+
+
+def _stage_flags(result):
+    order = ["clean", *autoattack.VERSIONS["standard"]]
+    return order, {stage: np.asarray(result.robust[stage]) for stage in order}
+
+
+def test_the_cascade_reaches_the_analytic_robust_set_of_a_linear_model(cascade_on_linear):
+    """APGD-CE breaks some points and APGD-T the violated pairs it missed, so the robust set
+    is exact after the APGD stages; FAB-T and Square, run on what is left, break nothing
+    more, and Square queries only those points, each with its whole budget."""
+    w, b, x, y, model, run = cascade_on_linear
+    result = run(model)
+    order, flags = _stage_flags(result)
+    np.testing.assert_array_equal(flags["square"], _linear_worst_margin(w, b, x, y, 4 / 255) > 0)
+    assert not flags["clean"][:4].any()
+    for before, after in zip(order, order[1:]):
+        assert np.all(flags[after] <= flags[before]), after  # a stage only removes points
+    assert (flags["clean"] & ~flags["apgd_ce"]).sum() > 0
+    assert 0 < flags["square"].sum() < flags["clean"].sum()
+    np.testing.assert_array_equal(flags["fab_t"], flags["apgd_t"])
+    np.testing.assert_array_equal(
+        np.asarray(result.square_queries), np.where(flags["fab_t"], N_QUERIES + 1, 0)
+    )
+
+
+def test_the_cascade_with_masked_gradients_is_each_attack_on_the_points_left(
+    cascade_on_linear,
+):
+    """With stop_gradient the gradient attacks see a zero gradient (APGD moves only by its
+    random start, FAB not at all) and Square, which only queries, breaks what they miss.
+    Each stage's flags are those before it AND the same attack (same key) run alone on the
+    whole batch, so the cascade's robust accuracy is at most each attack's alone; Square's
+    queries go only to the points all previous attacks failed on."""
+    w, b, x, y, model, run = cascade_on_linear
+
+    def masked(v):
+        return model(jax.lax.stop_gradient(v))
+
+    result = run(masked)
+    order, flags = _stage_flags(result)
+    keys = autoattack.stage_keys(jax.random.PRNGKey(2), "standard")
+    targets = np.asarray(attacks.autoattack_targets(model(x), K - 1))
+
+    @jax.jit
+    def alone():
+        def per_target(robust, target_and_key):
+            (apgd_t, fab_t), (target, key) = robust, target_and_key
+            apgd_t &= attacks.apgd(
+                masked, x, y, key, eps=4 / 255, loss="dlr_targeted", y_target=target
+            )[1]
+            fab_t &= fab.fab_targeted(masked, x, y, target)[1] > 4 / 255
+            return (apgd_t, fab_t), None
+
+        everyone = jnp.ones(len(x), bool)
+        target_keys = jax.random.split(keys["apgd_t"], K - 1)
+        (apgd_t, fab_t), _ = jax.lax.scan(per_target, (everyone, everyone), (targets, target_keys))
+        return dict(
+            apgd_ce=attacks.apgd(masked, x, y, keys["apgd_ce"], eps=4 / 255)[1],
+            apgd_t=apgd_t,
+            fab_t=fab_t,
+            square=square.square(masked, x, y, keys["square"], eps=4 / 255, n_queries=N_QUERIES)[1],
+        )
+
+    robust_alone = {name: np.asarray(robust) for name, robust in alone().items()}
+    for before, stage in zip(order, order[1:]):
+        np.testing.assert_array_equal(flags[stage], flags[before] & robust_alone[stage], stage)
+        assert flags["square"].mean() <= (flags["clean"] & robust_alone[stage]).mean(), stage
+    np.testing.assert_array_equal(flags["fab_t"], flags["apgd_t"])  # zero gradient: FAB stays
+    assert (flags["fab_t"] & ~flags["square"]).sum() >= 5
+    queries = np.asarray(result.square_queries)
+    assert np.all(queries[~flags["fab_t"]] == 0) and np.all(queries[flags["fab_t"]] > 0)
+
+
+def test_the_rand_version_runs_apgd_ce_then_apgd_dlr_with_eot():
+    """The `rand` cascade on the randomised binary linear model of the EOT test: after
+    APGD-CE and APGD-DLR (20 draws each) exactly the analytic robust set is left."""
+    w, b, x, model = _binary_linear(7, 8)
+    y = np.argmax(np.asarray(model(x)), -1)
+    randomised = _noisy_gradients(model)
+
+    result = jax.jit(
+        lambda: autoattack.autoattack(
+            randomised, x, y, jax.random.PRNGKey(0), eps=4 / 255, version="rand"
+        )
+    )()
+    assert set(result.robust) == {"clean", "apgd_ce", "apgd_dlr"} and result.square_queries is None
+    analytic = _linear_worst_margin(w, b, x, y, 4 / 255) > 0
+    np.testing.assert_array_equal(np.asarray(result.robust["apgd_dlr"]), analytic)
 
 
 # ----- Patch-Fool ------------------------------------------------------------------------

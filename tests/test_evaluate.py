@@ -22,6 +22,7 @@ QUICK = {
     "evaluation.figure_images": 2,
     "evaluation.apgd_iters": 10,
     "evaluation.apgd_targets": 2,
+    "evaluation.square_queries": 100,
     "evaluation.patch_fool_steps": 5,
     "evaluation.adversarial_examples": 48,
     "evaluation.corruptions": "gaussian_noise,fog",
@@ -77,6 +78,25 @@ def test_attacks_on_the_demo_model_order_and_stay_in_budget(demo_report):
     assert accuracy["autoattack"] <= accuracy["apgd_ce"] <= accuracy["clean"]
     assert accuracy["patch_fool"] <= accuracy["clean"]
     assert results["adversarial"]["max_pgd_linf"] <= 8 / 255 + 1e-6
+
+
+def test_the_autoattack_cascade_reports_each_stage(demo_report):
+    """Each stage runs on the points the previous ones left; the report has a row per stage."""
+    out, results = demo_report
+    accuracy = results["adversarial"]["accuracy"]
+    cascade = results["adversarial"]["autoattack"]
+    stages = cascade["stages"]
+    assert [stage["attack"] for stage in stages] == ["apgd_ce", "apgd_t", "fab_t", "square"]
+    assert stages[0]["attacked"] == round(accuracy["clean"] * 48)
+    for before, after in zip(stages, stages[1:]):
+        assert after["attacked"] == before["attacked"] - before["broken"]
+    for stage in stages:
+        assert stage["robust_accuracy"] * 48 == pytest.approx(stage["attacked"] - stage["broken"])
+    assert cascade["robust_accuracy"] == accuracy["autoattack"] == stages[-1]["robust_accuracy"]
+    assert stages[0]["robust_accuracy"] == accuracy["apgd_ce"]
+    report = (out / "report.md").read_text()
+    assert "AutoAttack standard, eps 4/255 (%)" in report
+    assert "AutoAttack after Square (100 queries) (%)" in report
 
 
 def test_nothing_occluded_gives_clean_accuracy_and_unit_cos_sim(

@@ -1,5 +1,6 @@
-"""White-box L-inf attacks in pure JAX: FGSM and PGD (RSPC's settings), APGD, an
-AutoAttack-style APGD cascade and Patch-Fool (docs/evaluation.md, "Attacks").
+"""White-box L-inf attacks in pure JAX: FGSM and PGD (RSPC's settings), APGD (with EOT for
+randomised models) and Patch-Fool (docs/evaluation.md, "Attacks"); FAB-T, Square and the
+AutoAttack cascade that runs them live in `fab`, `square` and `autoattack`.
 
 Every attack takes a batch in pixel space [0, 1]; normalisation belongs inside the model
 function. Examples are attacked independently (per-example losses are summed, never
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 LogitsFn = Callable[[jax.Array], jax.Array]
+RandomisedLogitsFn = Callable[[jax.Array, jax.Array], jax.Array]  # (pixels, key) -> logits
 LogitsAndAttentionFn = Callable[[jax.Array], tuple]
 
 DLR_EPS = 1e-12  # denominator guard of both DLR losses ("Attacks: AutoAttack and the DLR losses")
@@ -31,23 +33,31 @@ def cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
 
-def _label_logit(logits: jax.Array, labels: jax.Array) -> jax.Array:
+def label_logit(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example logit of the given class, (B,)."""
     return jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
 
 
 def dlr_loss(logits: jax.Array, y: jax.Array) -> jax.Array:
     """Per-example DLR loss -(z_y - max_{i!=y} z_i) / (z_pi1 - z_pi3 + 1e-12), pi = logits
     sorted descending ("Attacks: AutoAttack and the DLR losses"); needs at least 3 classes."""
-    top, top_index = jax.lax.top_k(logits, 3)
+    top, _ = jax.lax.top_k(logits, 3)
+    return -logit_margin(logits, y) / (top[:, 0] - top[:, 2] + DLR_EPS)
+
+
+def logit_margin(logits: jax.Array, y: jax.Array) -> jax.Array:
+    """Per-example z_y - max_{i!=y} z_i: positive iff the label wins (Square's loss, DLR's
+    numerator)."""
+    top, top_index = jax.lax.top_k(logits, 2)
     best_other = jnp.where(top_index[:, 0] == y, top[:, 1], top[:, 0])
-    return -(_label_logit(logits, y) - best_other) / (top[:, 0] - top[:, 2] + DLR_EPS)
+    return label_logit(logits, y) - best_other
 
 
 def dlr_targeted_loss(logits: jax.Array, y: jax.Array, y_target: jax.Array) -> jax.Array:
     """Per-example targeted DLR loss -(z_y - z_t) / (z_pi1 - (z_pi3 + z_pi4) / 2 + 1e-12)
     ("Attacks: AutoAttack and the DLR losses"); needs at least 4 classes."""
     top, _ = jax.lax.top_k(logits, 4)
-    margin = _label_logit(logits, y) - _label_logit(logits, y_target)
+    margin = label_logit(logits, y) - label_logit(logits, y_target)
     return -margin / (top[:, 0] - 0.5 * (top[:, 2] + top[:, 3]) + DLR_EPS)
 
 
@@ -59,17 +69,17 @@ def project_linf(x_adv: jax.Array, x: jax.Array, eps: float) -> jax.Array:
     return jnp.clip(jnp.clip(x_adv, x - eps, x + eps), 0.0, 1.0)
 
 
-def _per_example(values: jax.Array, like: jax.Array) -> jax.Array:
+def per_example(values: jax.Array, like: jax.Array) -> jax.Array:
     """Reshape a (B,) vector to broadcast against a (B, ...) batch."""
     return values.reshape(values.shape + (1,) * (like.ndim - 1))
 
 
-def _select(condition: jax.Array, if_true: jax.Array, if_false: jax.Array) -> jax.Array:
+def select_per_example(condition: jax.Array, if_true: jax.Array, if_false: jax.Array) -> jax.Array:
     """Per-example jnp.where: condition is (B,), the operands (B, ...)."""
-    return jnp.where(_per_example(condition, if_true), if_true, if_false)
+    return jnp.where(per_example(condition, if_true), if_true, if_false)
 
 
-def _at_least_float32(values: jax.Array) -> jax.Array:
+def at_least_float32(values: jax.Array) -> jax.Array:
     """Losses are computed in float32 (or wider) whatever the model's dtype."""
     return values.astype(jnp.promote_types(values.dtype, jnp.float32))
 
@@ -79,7 +89,7 @@ def _losses_logits_grad(logits_fn: LogitsFn, loss_fn, x_adv: jax.Array, y: jax.A
     example's own gradient."""
 
     def total(x_adv):
-        logits = _at_least_float32(logits_fn(x_adv))
+        logits = at_least_float32(logits_fn(x_adv))
         losses = loss_fn(logits, y)
         return losses.sum(), (losses, logits)
 
@@ -87,7 +97,26 @@ def _losses_logits_grad(logits_fn: LogitsFn, loss_fn, x_adv: jax.Array, y: jax.A
     return losses, logits, grad
 
 
-def _misclassified(logits: jax.Array, y: jax.Array) -> jax.Array:
+def _eot_losses_logits_grad(
+    logits_fn: RandomisedLogitsFn, loss_fn, x_adv: jax.Array, y: jax.Array, rng, eot_iter: int
+):
+    """Expectation over transformation for a randomised model logits_fn(pixels, key): the
+    gradient averaged over `eot_iter` draws; losses and logits of the last draw, as
+    AutoAttack's `rand` version uses them ("Attacks: the AutoAttack cascade")."""
+
+    def draw(grad_sum, key):
+        losses, logits, grad = _losses_logits_grad(
+            lambda pixels: logits_fn(pixels, key), loss_fn, x_adv, y
+        )
+        return grad_sum + grad, (losses, logits)
+
+    grad_sum, (losses, logits) = jax.lax.scan(
+        draw, jnp.zeros_like(x_adv), jax.random.split(rng, eot_iter)
+    )
+    return losses[-1], logits[-1], grad_sum / eot_iter
+
+
+def misclassified(logits: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.argmax(logits, axis=-1) != y
 
 
@@ -189,13 +218,13 @@ class _ApgdState(NamedTuple):
     loss_best_last_check: jax.Array
 
 
-def _apgd_init(logits_fn, loss_fn, x, y, rng, eps, n_iter) -> _ApgdState:
+def _apgd_init(evaluate, x, y, rng, eps, n_iter) -> _ApgdState:
     """ "Attacks: APGD step by step", step 2: x0 = x + eps * t / max|t|, t ~ U(-1, 1) per example, clipped to [0, 1];
-    step size 2 * eps; loss, gradient and prediction at x0."""
+    step size 2 * eps; loss, gradient and prediction at x0 (`evaluate` at iteration -1)."""
     t = jax.random.uniform(rng, x.shape, x.dtype, -1.0, 1.0)
     t_max = jnp.max(jnp.abs(t.reshape(x.shape[0], -1)), axis=1)
-    x0 = jnp.clip(x + eps * t / _per_example(t_max, x), 0.0, 1.0)
-    losses, logits, grad = _losses_logits_grad(logits_fn, loss_fn, x0, y)
+    x0 = jnp.clip(x + eps * t / per_example(t_max, x), 0.0, 1.0)
+    losses, logits, grad = evaluate(x0, -1)
     return _ApgdState(
         x_adv=x0,
         x_old=x0,
@@ -205,7 +234,7 @@ def _apgd_init(logits_fn, loss_fn, x, y, rng, eps, n_iter) -> _ApgdState:
         grad_best=grad,
         loss_best=losses,
         x_best_adv=x0,
-        robust=~_misclassified(logits, y),
+        robust=~misclassified(logits, y),
         loss_steps=jnp.zeros((n_iter,) + losses.shape, losses.dtype),
         reduced_last_check=jnp.ones(losses.shape, bool),
         loss_best_last_check=losses,
@@ -223,6 +252,7 @@ def apgd(
     loss: str = "ce",
     y_target: jax.Array | None = None,
     rho: float = 0.75,
+    eot_iter: int | None = None,
 ):
     """One restart of L-inf APGD exactly as docs/evaluation.md, "Attacks: APGD step by step" (Croce & Hein 2020, `attack_single_run`).
 
@@ -232,11 +262,24 @@ def apgd(
     since (condition 2); halved examples restart from x_best with grad_best while x_old is
     kept (the reference's momentum quirk). Losses: 'ce', 'dlr', 'dlr_targeted' (needs
     y_target); success always means argmax != y. Restarts are left to the caller.
+    With eot_iter = n (AutoAttack's `rand` version: 20) logits_fn is a randomised model
+    logits_fn(pixels, key) and every gradient is the mean over n fresh draws.
 
     Returns (x_best_adv, robust): robust = never misclassified during the run;
     x_best_adv = the last misclassified iterate, or the random start where robust.
     """
     loss_fn = _apgd_loss_fn(loss, y_target)
+    if eot_iter is None:
+
+        def evaluate(x_adv, iteration):
+            return _losses_logits_grad(logits_fn, loss_fn, x_adv, y)
+    else:
+        rng, eot_rng = jax.random.split(rng)
+
+        def evaluate(x_adv, iteration):
+            key = jax.random.fold_in(eot_rng, iteration + 1)
+            return _eot_losses_logits_grad(logits_fn, loss_fn, x_adv, y, key, eot_iter)
+
     is_checkpoint = [False] * n_iter
     window_at = [0] * n_iter
     for iteration, window in _apgd_schedule(n_iter):
@@ -245,15 +288,15 @@ def apgd(
 
     def step(i, s: _ApgdState) -> _ApgdState:
         momentum = jnp.where(i > 0, APGD_MOMENTUM, 1.0).astype(x.dtype)
-        z = project_linf(s.x_adv + _per_example(s.step_size, x) * jnp.sign(s.grad), x, eps)
+        z = project_linf(s.x_adv + per_example(s.step_size, x) * jnp.sign(s.grad), x, eps)
         x_new = project_linf(
             s.x_adv + momentum * (z - s.x_adv) + (1.0 - momentum) * (s.x_adv - s.x_old), x, eps
         )
-        losses, logits, grad = _losses_logits_grad(logits_fn, loss_fn, x_new, y)
-        fooled = _misclassified(logits, y)
+        losses, logits, grad = evaluate(x_new, i)
+        fooled = misclassified(logits, y)
         improved = losses > s.loss_best
-        x_best = _select(improved, x_new, s.x_best)
-        grad_best = _select(improved, grad, s.grad_best)
+        x_best = select_per_example(improved, x_new, s.x_best)
+        grad_best = select_per_example(improved, grad, s.grad_best)
         loss_best = jnp.where(improved, losses, s.loss_best)
         loss_steps = s.loss_steps.at[i].set(losses)
 
@@ -262,73 +305,30 @@ def apgd(
         reduce_now = _oscillating(loss_steps, i, window_at[i], rho) | no_improvement
         reduce = checkpoint & reduce_now
         return _ApgdState(
-            x_adv=_select(reduce, x_best, x_new),
+            x_adv=select_per_example(reduce, x_best, x_new),
             x_old=s.x_adv,
-            grad=_select(reduce, grad_best, grad),
+            grad=select_per_example(reduce, grad_best, grad),
             step_size=jnp.where(reduce, s.step_size / 2.0, s.step_size),
             x_best=x_best,
             grad_best=grad_best,
             loss_best=loss_best,
-            x_best_adv=_select(fooled, x_new, s.x_best_adv),
+            x_best_adv=select_per_example(fooled, x_new, s.x_best_adv),
             robust=s.robust & ~fooled,
             loss_steps=loss_steps,
             reduced_last_check=jnp.where(checkpoint, reduce_now, s.reduced_last_check),
             loss_best_last_check=jnp.where(checkpoint, loss_best, s.loss_best_last_check),
         )
 
-    state = _apgd_init(logits_fn, loss_fn, x, y, rng, eps, n_iter)
+    state = _apgd_init(evaluate, x, y, rng, eps, n_iter)
     state = jax.lax.fori_loop(0, n_iter, step, state)
     return state.x_best_adv, state.robust
 
 
 def autoattack_targets(clean_logits: jax.Array, n_target_classes: int) -> jax.Array:
-    """(n_target_classes, B) APGD-T targets: the 2nd .. (n_target_classes + 1)-th highest
-    clean logit of every example ("Attacks: AutoAttack and the DLR losses")."""
+    """(n_target_classes, B) targets of APGD-T and FAB-T: the 2nd .. (n_target_classes + 1)-th
+    highest clean logit of every example ("Attacks: AutoAttack and the DLR losses")."""
     _, ranked = jax.lax.top_k(clean_logits, n_target_classes + 1)
     return ranked[:, 1:].T
-
-
-def autoattack(
-    logits_fn: LogitsFn,
-    x: jax.Array,
-    y: jax.Array,
-    rng: jax.Array,
-    *,
-    eps: float,
-    n_iter: int = 100,
-    n_target_classes: int = 9,
-) -> tuple[jax.Array, jax.Array]:
-    """AutoAttack-style robust flags (B,) bool after APGD-CE alone and after the whole
-    cascade ("Attacks: AutoAttack and the DLR losses"): APGD-CE, then targeted
-    APGD-DLR towards the 2nd .. (n_target_classes + 1)-th highest clean logit, one restart
-    each; a point is non-robust once any attack fools it, clean errors count as non-robust.
-
-    Deviations: FAB-T and Square of the 'standard' version are not run (APGD-CE + APGD-T
-    only). For static shapes every attack runs on every point and the flags are combined
-    with a logical AND, which gives the same result as attacking only the still-robust
-    points, up to the random starts.
-    """
-    clean_logits = _at_least_float32(logits_fn(x))
-    if not 1 <= n_target_classes < clean_logits.shape[-1]:
-        raise ValueError(
-            f"n_target_classes={n_target_classes} needs 1 .. "
-            f"{clean_logits.shape[-1] - 1} other classes"
-        )
-    rng_ce, rng_targeted = jax.random.split(rng)
-    _, robust_ce = apgd(logits_fn, x, y, rng_ce, eps=eps, n_iter=n_iter, loss="ce")
-    robust_ce = ~_misclassified(clean_logits, y) & robust_ce
-
-    def attack_target(robust, target_and_rng):
-        y_target, key = target_and_rng
-        _, robust_t = apgd(
-            logits_fn, x, y, key, eps=eps, n_iter=n_iter, loss="dlr_targeted", y_target=y_target
-        )
-        return robust & robust_t, None
-
-    targets = autoattack_targets(clean_logits, n_target_classes)
-    keys = jax.random.split(rng_targeted, n_target_classes)
-    robust, _ = jax.lax.scan(attack_target, robust_ce, (targets, keys))
-    return robust_ce, robust
 
 
 # ----- Patch-Fool ("Attacks: Patch-Fool") -----------------------------------------------------------
@@ -423,9 +423,9 @@ def patch_fool(
     def objectives(u):
         """[CE, attention loss of each block in attention_blocks], summed over the batch."""
         logits, attention = logits_and_attention_fn(paste(u))
-        terms = [cross_entropy(_at_least_float32(logits), y)]
+        terms = [cross_entropy(at_least_float32(logits), y)]
         terms += [
-            _attention_loss(_at_least_float32(attention[block]), target_token)
+            _attention_loss(at_least_float32(attention[block]), target_token)
             for block in attention_blocks
         ]
         return scale * jnp.stack([term.sum() for term in terms])

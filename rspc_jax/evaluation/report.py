@@ -15,6 +15,30 @@ def _over255(eps: float) -> str:
     return f"{eps * 255:g}/255"
 
 
+def _autoattack_rows(result: dict) -> list[tuple[str, str]]:
+    """One row per stage of the AutoAttack cascade: robust accuracy after it, and on how
+    many points it ran and how many it broke."""
+    if not result.get("autoattack"):
+        return []
+    s = result["settings"]
+    eot = f", EOT {s['eot_iter']}" if s["eot_iter"] else ""
+    names = {
+        "apgd_ce": f"APGD-CE{eot}",
+        "apgd_t": f"APGD-T ({s['autoattack_targets']} targets)",
+        "fab_t": f"FAB-T ({s['autoattack_targets']} targets)",
+        "square": f"Square ({s['square_queries']} queries)",
+        "apgd_dlr": f"APGD-DLR{eot}",
+    }
+    return [
+        (
+            f"AutoAttack after {names[stage['attack']]} (%)",
+            f"{_pct(stage['robust_accuracy'])} (ran on {stage['attacked']}, "
+            f"broke {stage['broken']})",
+        )
+        for stage in result["autoattack"]["stages"]
+    ]
+
+
 def _rows(name: str, result: dict) -> list[tuple[str, str]]:
     """(metric, value) rows of a suite's headline numbers."""
     if "skipped" in result:
@@ -110,16 +134,16 @@ def _rows(name: str, result: dict) -> list[tuple[str, str]]:
             "fgsm": f"FGSM, eps {_over255(s['fgsm_eps'])}",
             "pgd": f"PGD-{s['pgd_steps']}, eps {_over255(s['pgd_eps'])}, step {_over255(s['pgd_step'])}",
             "apgd_ce": f"APGD-CE, eps {_over255(s['apgd_eps'])}, {s['apgd_iters']} iterations",
-            "autoattack": f"APGD-CE + APGD-T ({s['autoattack_targets']} targets), eps "
-            f"{_over255(s['apgd_eps'])}",
+            "autoattack": f"AutoAttack {s['autoattack_version']}, eps {_over255(s['apgd_eps'])}",
             "patch_fool": f"Patch-Fool, {s['patch_fool']['patches']} patch, block "
             f"{s['patch_fool']['block']}, {s['patch_fool']['steps']} Adam steps",
         }
-        return [
+        rows = [
             (f"{label} (%)", _pct(accuracy[key]))
             for key, label in labels.items()
             if key in accuracy
-        ] + [("examples", str(result["num_examples"]))]
+        ]
+        return rows + _autoattack_rows(result) + [("examples", str(result["num_examples"]))]
     return [(k, str(v)) for k, v in result.items() if not isinstance(v, (dict, list))]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from rspc_jax import rspc
 from rspc_jax.data import eval as data
-from rspc_jax.evaluation import attacks, occlusion, protocols
+from rspc_jax.evaluation import attacks, autoattack, occlusion, protocols
 from rspc_jax.evaluation import loop as runner
 from rspc_jax.evaluation.loop import Context, SuiteSkipped, run_pass, sharded
 
@@ -288,7 +288,7 @@ def _query_maps(ctx: Context) -> dict:
 
 
 # --------------------------------------------------------------------------------------
-# adversarial: FGSM, PGD, APGD-CE, AutoAttack-style cascade, Patch-Fool (pixel space [0,1])
+# adversarial: FGSM, PGD, APGD-CE, the AutoAttack cascade, Patch-Fool (pixel space [0,1])
 
 
 ATTACKS = ("fgsm", "pgd", "apgd_ce", "autoattack", "patch_fool")
@@ -300,6 +300,13 @@ def adversarial(ctx: Context) -> dict:
     unknown = sorted(set(attacks_run) - set(ATTACKS))
     if unknown:
         raise ValueError(f"config.evaluation.attacks: unknown {unknown}; choose from {ATTACKS}")
+    if s.autoattack_version not in autoattack.VERSIONS:
+        raise ValueError(
+            f"config.evaluation.autoattack_version={s.autoattack_version!r}; "
+            f"choose from {list(autoattack.VERSIONS)}"
+        )
+    stages = autoattack.VERSIONS[s.autoattack_version]
+    randomised = s.autoattack_version == "rand"
     mean, std = jnp.asarray(ctx.spec.mean), jnp.asarray(ctx.spec.std)
     token_attention = type(ctx.model).__name__ != "XCiT"
     if token_attention:  # Patch-Fool's block 4 of a 12-block DeiT; capped for shallow models
@@ -325,20 +332,30 @@ def adversarial(ctx: Context) -> dict:
             )
             out["pgd"] = runner.correct(logits_fn(x_pgd), y)
             out["pgd_linf"] = jnp.abs(x_pgd - x).max(axis=(1, 2, 3))
-        if "autoattack" in attacks_run and s.apgd_targets:
-            out["apgd_ce"], out["autoattack"] = attacks.autoattack(
-                logits_fn,
+        if "autoattack" in attacks_run:
+            cascade = autoattack.autoattack(
+                # The models are deterministic in eval mode: 'rand' draws the same logits.
+                (lambda pixels, key: logits_fn(pixels)) if randomised else logits_fn,
                 x,
                 y,
                 keys[1],
                 eps=s.apgd_eps,
+                version=s.autoattack_version,
                 n_iter=s.apgd_iters,
                 n_target_classes=s.apgd_targets,
+                n_queries=s.square_queries,
             )
-        elif "apgd_ce" in attacks_run or "autoattack" in attacks_run:
-            _, out["apgd_ce"] = attacks.apgd(
-                logits_fn, x, y, keys[1], eps=s.apgd_eps, n_iter=s.apgd_iters
-            )
+            out.update({f"autoattack/{k}": v for k, v in cascade.robust.items()})
+            out["autoattack"] = cascade.robust[stages[-1]]
+            if cascade.square_queries is not None:
+                out["autoattack/square_queries"] = cascade.square_queries
+        if "apgd_ce" in attacks_run:
+            if "autoattack" in attacks_run and not randomised:  # the cascade's first stage
+                out["apgd_ce"] = out["autoattack/apgd_ce"]
+            else:
+                _, out["apgd_ce"] = attacks.apgd(
+                    logits_fn, x, y, keys[1], eps=s.apgd_eps, n_iter=s.apgd_iters
+                )
         if "patch_fool" in attacks_run and s.patch_fool_steps and token_attention:
             attention_fn = lambda pixels: ctx.logits_and_attention(  # noqa: E731
                 variables, (pixels - mean) / std
@@ -364,11 +381,12 @@ def adversarial(ctx: Context) -> dict:
         label="adversarial",
         limit=s.adversarial_examples,
     )
-    accuracy = {k: float(v.mean()) for k, v in out.items() if k != "pgd_linf"}
+    accuracy = {k: float(out[k].mean()) for k in ("clean", *ATTACKS) if k in out}
     return dict(
         accuracy=accuracy,
         num_examples=int(out["clean"].size),
         max_pgd_linf=float(out["pgd_linf"].max()) if "pgd_linf" in out else None,
+        autoattack=_cascade_counts(out, stages) if "autoattack" in attacks_run else None,
         settings=dict(
             space="pixels in [0,1], normalisation inside the model",
             fgsm_eps=s.fgsm_eps,
@@ -378,7 +396,11 @@ def adversarial(ctx: Context) -> dict:
             apgd_eps=s.apgd_eps,
             apgd_iters=s.apgd_iters,
             apgd_restarts=1,
+            autoattack_version=s.autoattack_version,
             autoattack_targets=s.apgd_targets,
+            fab_iters=s.apgd_iters,
+            square_queries=s.square_queries,
+            eot_iter=autoattack.RAND_EOT_ITER if randomised else None,
             patch_fool=dict(
                 patches=s.patch_fool_patches,
                 block=fool_block if token_attention else None,
@@ -387,6 +409,29 @@ def adversarial(ctx: Context) -> dict:
             ),
         ),
     )
+
+
+def _cascade_counts(out: dict, stages: tuple) -> dict:
+    """Per stage of the AutoAttack cascade: the points it ran on (still robust before it),
+    the points it broke and the robust accuracy after it."""
+    counts, before = [], out["autoattack/clean"]
+    for stage in stages:
+        after = out[f"autoattack/{stage}"]
+        counts.append(
+            dict(
+                attack=stage,
+                attacked=int(before.sum()),
+                broken=int((before & ~after).sum()),
+                robust_accuracy=float(after.mean()),
+            )
+        )
+        before = after
+    result = dict(stages=counts, robust_accuracy=float(before.mean()))
+    if "autoattack/square_queries" in out:
+        attacked = out["autoattack/fab_t"]
+        queries = out["autoattack/square_queries"][attacked]
+        result["square_mean_queries"] = float(queries.mean()) if queries.size else None
+    return result
 
 
 SUITES = {

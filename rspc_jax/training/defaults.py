@@ -138,8 +138,10 @@ def get_default_config() -> ml_collections.ConfigDict:
             pgd_step=2 / 255,
             pgd_steps=5,  # RSPC_RVT --pgd_test
             apgd_eps=4 / 255,  # RobustBench ImageNet L-inf
-            apgd_iters=100,
-            apgd_targets=9,  # targeted APGD-DLR classes after APGD-CE; 0 = APGD-CE only
+            apgd_iters=100,  # APGD and FAB iterations
+            apgd_targets=9,  # target classes of APGD-T and FAB-T in AutoAttack
+            autoattack_version="standard",  # 'standard' | 'rand' (EOT, randomised models)
+            square_queries=5000,
             adversarial_examples=1000,  # attacks run on the first N eval examples
             attacks="fgsm,pgd,apgd_ce,autoattack,patch_fool",  # which the adversarial suite runs
             patch_fool_patches=1,
