@@ -14,6 +14,7 @@ from rspc_jax.models import cait
 from tests.test_swin import (
     assert_layout_and_count,
     assert_logits_match,
+    assert_remat_recomputes_with_the_same_gradients,
     assert_rspc_step_is_sound,
     rspc_train_step,
     timm_reference,
@@ -125,3 +126,7 @@ def test_sows_every_self_attention_block_and_the_class_attention_rows():
 def test_rspc_train_step_is_finite_and_moves_classifier_and_corruption_model(digits_data_dir):
     before, after, metrics = rspc_train_step(digits_data_dir, "cait_s12_224", TINY)
     assert_rspc_step_is_sound(before, after, metrics)
+
+
+def test_remat_recomputes_the_blocks_with_the_same_gradients():
+    assert_remat_recomputes_with_the_same_gradients("cait_s12_224", dict(TINY, depth=1))

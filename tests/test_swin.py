@@ -5,6 +5,7 @@ the blocks sown per stage, and one RSPC train step (shared with test_cait)."""
 import functools
 import importlib.util
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -107,6 +108,27 @@ def assert_rspc_step_is_sound(before, after, metrics) -> None:
         assert any(not np.array_equal(a, b) for a, b in leaves)
 
 
+def assert_remat_recomputes_with_the_same_gradients(name: str, overrides: dict) -> None:
+    """`remat=True` puts the blocks under jax.checkpoint and leaves the gradients unchanged."""
+    model = models.create(name, num_classes=5, **overrides)
+    images = jax.random.normal(jax.random.PRNGKey(0), (2, 16, 16, 3))
+    abstract = models.abstract_variables(model, 16)["params"]  # drawn, not initialised:
+    rng = np.random.default_rng(0)  # flax's init would compile or dispatch op by op
+    params = jax.tree.map(lambda a: rng.normal(0, 0.2, a.shape).astype(np.float32), abstract)
+
+    def loss(m):
+        return lambda p: jnp.sum(m.apply({"params": p}, images, train=False) ** 2)
+
+    remat = model.clone(remat=True)
+    checkpointed = re.compile(r"\b(checkpoint|remat2?)\[")  # the primitive's name by JAX version
+    assert checkpointed.search(str(jax.make_jaxpr(loss(remat))(params)))
+    assert not checkpointed.search(str(jax.make_jaxpr(loss(model))(params)))
+    expected = jax.jit(jax.grad(loss(model)))(params)
+    found = jax.jit(jax.grad(loss(remat)))(params)
+    for ours, ref in zip(jax.tree.leaves(found), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return timm_reference(tmp_path_factory.mktemp("timm"), [PARITY], list(PARAMETERS))
@@ -201,3 +223,8 @@ def test_image_sizes_that_timm_would_pad_are_refused():
 def test_rspc_train_step_is_finite_and_moves_classifier_and_corruption_model(digits_data_dir):
     before, after, metrics = rspc_train_step(digits_data_dir, "swin_tiny_patch4_window7_224", TINY)
     assert_rspc_step_is_sound(before, after, metrics)
+
+
+def test_remat_recomputes_the_blocks_with_the_same_gradients():
+    one_stage = dict(embed_dim=8, depths=(2,), num_heads=(2,), window_size=2)  # 4x4 tokens
+    assert_remat_recomputes_with_the_same_gradients("swin_tiny_patch4_window7_224", one_stage)
