@@ -8,7 +8,7 @@ JSON, figures and summary.md to `<workdir>/analysis` (or `--out`). Settings:
 config.analysis.
 """
 
-from absl import app, flags
+from absl import flags
 
 from rspc_jax.tools import cli
 
@@ -28,4 +28,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

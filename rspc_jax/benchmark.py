@@ -21,6 +21,8 @@ of rspc_jax.training.ablations (the adversarial-training baselines of the paper'
 from absl import app, flags
 from ml_collections import config_flags
 
+from rspc_jax.tools import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per variant (after compilation).")
 _BATCH = flags.DEFINE_integer("batch", 0, "Global batch size (0 = the config's).")
@@ -44,8 +46,6 @@ _COMPARE_TIMM = flags.DEFINE_bool(
 
 
 def main(argv):
-    from rspc_jax.tools import cli
-
     cli.start(argv)
     from rspc_jax.tools import benchmark
 
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

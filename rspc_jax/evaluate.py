@@ -8,7 +8,7 @@ config.evaluation.suites); a suite that cannot run (missing data) is skipped wit
 reason in the report, never a crash of the whole run.
 """
 
-from absl import app, flags
+from absl import flags
 
 from rspc_jax.tools import cli
 
@@ -26,4 +26,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -6,7 +6,9 @@
 What each format holds: `rspc_jax.interop.export`.
 """
 
-from absl import app, flags
+from absl import flags
+
+from rspc_jax.tools import cli
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Training run to export (its config.json and checkpoints/).", required=True
@@ -26,8 +28,6 @@ _CORRUPTION_OUT = flags.DEFINE_string(
 
 
 def main(argv):
-    from rspc_jax.tools import cli
-
     cli.start(argv)
     from rspc_jax.interop import export
 
@@ -45,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

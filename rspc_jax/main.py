@@ -1,13 +1,17 @@
 """Entry point: `python -m rspc_jax.main --config=configs/<file>.py[:arg] --workdir=DIR`.
 
 Any config field can be overridden with `--config.<key>=<value>`. Rerunning the same
-command resumes from the last checkpoint in `--workdir`.
+command resumes from the last checkpoint in `--workdir`. The config's values and the
+workdir are checked before JAX and TensorFlow are imported, so bad input fails at once.
 """
 
 import os
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
+
+from rspc_jax.tools import cli
+from rspc_jax.training import checks
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
@@ -25,15 +29,15 @@ _WORKDIR = flags.DEFINE_string(
 
 
 def main(argv):
-    from rspc_jax.tools import cli
-
+    checks.validate_config(_CONFIG.value)
+    checks.check_workdir(_WORKDIR.value)
     # Orbax and clu log every save and scalar at INFO; progress goes to stdout instead.
     config = cli.start(argv, _CONFIG.value, libraries="warning")
-    # Imported here so that --help stays fast and JAX starts after flag parsing.
+    # Imported here so that --help and bad input stay fast and JAX starts after the checks.
     from rspc_jax.training import loop
 
     loop.train_and_evaluate(config, _WORKDIR.value)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

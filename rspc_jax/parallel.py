@@ -15,6 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from rspc_jax import ConfigError
+
 DATA_AXIS = "data"
 
 
@@ -59,12 +61,12 @@ def batch_sharded(mesh: Mesh) -> NamedSharding:
 def check_batch_size(global_batch: int, what: str = "batch_size") -> None:
     devices, hosts = jax.device_count(), jax.process_count()
     if global_batch % devices:
-        raise ValueError(
+        raise ConfigError(
             f"global {what}={global_batch} is not divisible by the {devices} devices; "
             f"use a multiple of {devices}"
         )
     if global_batch % hosts:
-        raise ValueError(f"global {what}={global_batch} is not divisible by {hosts} hosts")
+        raise ConfigError(f"global {what}={global_batch} is not divisible by {hosts} hosts")
 
 
 def to_global(local_batch: dict, mesh: Mesh) -> dict:

@@ -137,13 +137,14 @@ def test_init_from_starts_training_at_the_checkpoint(demo_run, digits_data_dir, 
     start = str(tmp_path / "start.safetensors")
     export.export(str(workdir), start)
     _, saved, _ = checkpointing.read_saved_state(str(workdir / "checkpoints"))
-    # lr 0: one step leaves the params where the checkpoint put them.
+    # An lr far below float32's resolution (0 is refused): one step leaves the params where
+    # the checkpoint put them.
     config = smoke_config(
         digits_data_dir,
         **{
             "init_from": start,
             "total_steps": 1,
-            "optimizer.lr": 0.0,
+            "optimizer.lr": 1e-30,
             "optimizer.warmup_lr": 0.0,
             "optimizer.min_lr": 0.0,
         },

@@ -11,6 +11,7 @@ import jax
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from rspc_jax import ConfigError, ReportedError
 from rspc_jax.data import sklearn_digits  # noqa: F401  (registers `sklearn_digits` with tfds)
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -95,11 +96,11 @@ _MANUAL_FILES = {
 def dataset_spec(name: str) -> DatasetSpec:
     """Returns the spec of a supported dataset; ValueError names the others."""
     if name not in _SPECS:
-        raise ValueError(f"Unknown dataset {name!r}; known datasets: {sorted(_SPECS)}.")
+        raise ConfigError(f"Unknown dataset {name!r}; known datasets: {sorted(_SPECS)}.")
     return _SPECS[name]
 
 
-class DatasetNotFoundError(FileNotFoundError):
+class DatasetNotFoundError(ReportedError, FileNotFoundError):
     """A dataset is not prepared in the data_dir; the message says how to fix it."""
 
 

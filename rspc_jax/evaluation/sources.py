@@ -13,6 +13,7 @@ from pathlib import Path
 import imageio.v3 as iio
 import numpy as np
 
+from rspc_jax import ReportedError
 from rspc_jax.evaluation import protocols
 
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
@@ -29,7 +30,7 @@ SUBSET_ORIGIN = (
 CIFAR_C_ORIGIN = "CIFAR-10-C: Zenodo record 2535967; CIFAR-100-C: Zenodo record 3555552"
 
 
-class MissingDataError(FileNotFoundError):
+class MissingDataError(ReportedError, FileNotFoundError):
     """Benchmark data absent or incomplete; the message names the path, layout and source."""
 
     def __init__(self, path: Path | str, problem: str, layout: str, origin: str):

@@ -21,6 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rspc_jax import ConfigError
+
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
 
@@ -45,13 +47,13 @@ def create(name: str, *, num_classes: int, **overrides) -> nn.Module:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, _REGISTRY, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise ValueError(f"unknown model {name!r}.{hint} Registered models: {', '.join(names())}.")
+        raise ConfigError(f"unknown model {name!r}.{hint} Registered models: {', '.join(names())}.")
     if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        raise ConfigError(f"num_classes must be >= 1, got {num_classes}")
     try:
         return _REGISTRY[name](num_classes=num_classes, **overrides)
     except TypeError as e:
-        raise ValueError(f"bad override for model {name!r}: {e}") from e
+        raise ConfigError(f"bad override for model {name!r}: {e}") from e
 
 
 def has_field(model: nn.Module, field: str) -> bool:
@@ -66,7 +68,7 @@ def from_config(config, num_classes: int, *, bn_axis_name: str | None = None) ->
     for option in ("remat", "scan_blocks"):
         if config.get(option):
             if not has_field(model, option):
-                raise ValueError(
+                raise ConfigError(
                     f"config.{option}=True: {config.model_name} has no {option} "
                     "option (scan_blocks: ViT/DeiT models only); set it to False"
                 )

@@ -1,12 +1,109 @@
-"""What the checkpoint-reading CLIs (evaluate, analyze, study) share: the flags that name
-the weights to read, and what they do before their work."""
+"""What the command-line tools share: `run` (flag parsing and one-paragraph errors), `start`
+(logging, jax.distributed), and the flags that name the weights the checkpoint-reading
+tools (evaluate, analyze, study) read. Light on purpose: nothing here imports JAX or
+TensorFlow, so bad flags and configs fail in a second."""
 
+import ast
+from collections.abc import Callable
 import dataclasses
 import logging as std_logging
 import os
+import sys
+import textwrap
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from rspc_jax import ReportedError
+
+_VERBOSE = flags.DEFINE_bool(
+    "verbose", False, "On a reported error (bad config, missing file, ...) print the traceback too."
+)
+
+
+def _program() -> str:
+    """'rspc_jax.main' under `python -m rspc_jax.main`, else the script's name."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec else os.path.basename(sys.argv[0])
+
+
+def _fail(message: str) -> None:
+    """One paragraph on stderr, exit status 1."""
+    text = f"{_program()}: error: {' '.join(str(message).split())}"
+    print(textwrap.fill(text, width=100), file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def _config_paths(argv: list[str]) -> list[str]:
+    """The files of --config=PATH[:arg] / --config PATH[:arg] in `argv`."""
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+        elif arg == "--config" and i + 1 < len(argv):
+            paths.append(argv[i + 1])
+    return [p.split(":", 1)[0] for p in paths]
+
+
+def _flag_error_text(error: Exception) -> str:
+    """ml_collections reports a --config.<field> that does not exist as an AttributeError
+    whose text is the repr of "'field'\\nDid you mean ...?"; absl's errors are plain text."""
+    text = str(error.args[0]) if error.args else str(error)
+    if isinstance(error, AttributeError):
+        try:
+            text = "the config has no field " + ". ".join(str(ast.literal_eval(text)).split("\n"))
+        except (ValueError, SyntaxError):
+            pass
+    return text if text.endswith((".", "?")) else text + "."
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+    """absl's parsing, with errors (unknown flags, a missing config file, a config field that
+    does not exist) as one paragraph instead of chained tracebacks."""
+    for path in _config_paths(argv):
+        if not os.path.isfile(path):
+            _fail(
+                f"config file {path!r} does not exist. Pass a config file, e.g. "
+                "--config=configs/demo.py (the project's configs are in configs/).",
+            )
+    try:
+        return flags.FLAGS(argv)
+    except Exception as error:
+        if "--verbose" in argv:
+            raise
+        _fail(f"{_flag_error_text(error)} Run with --helpfull to list the flags.")
+
+
+def _without_closed_loop_noise(excepthook):
+    """After a failed checkpoint write, tensorstore completes the remaining writes' futures
+    into orbax's closed event loop and prints each RuntimeError through sys.excepthook: dozens
+    of identical tracebacks that hide the one-paragraph error. Those alone are dropped."""
+
+    def hook(kind, value, tb):
+        if kind is RuntimeError and str(value) == "Event loop is closed":
+            return
+        excepthook(kind, value, tb)
+
+    return hook
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """`app.run(main)` for the package's tools: a ReportedError (bad input, missing data,
+    a diverged run) prints its message as one paragraph and exits with status 1; --verbose
+    adds the traceback. Other exceptions are internal errors and keep theirs."""
+
+    def reported(argv):
+        if not _VERBOSE.value:
+            sys.excepthook = _without_closed_loop_noise(sys.excepthook)
+        try:
+            main(argv)
+        except ReportedError as error:
+            if _VERBOSE.value:
+                traceback.print_exc()
+            _fail(str(error))
+
+    app.run(reported, flags_parser=_parse_flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,17 +157,24 @@ def define_checkpoint_flags(verb: str, out_dir: str) -> CheckpointFlags:
 
 
 class _OursOrAtLeast(std_logging.Filter):
-    """Passes this package's records, and other records from `level` up."""
+    """Passes this package's records, and other records from `level` up, except orbax's
+    errors: a failed save logs dozens of tracebacks from its threads, and the
+    CheckpointSaveError it becomes already names the cause (--verbose shows them)."""
 
     def __init__(self, level: str):
         super().__init__()
         self.level = std_logging.getLevelName(level.upper())
 
     def filter(self, record) -> bool:
-        return record.levelno >= self.level or _PACKAGE_DIR in record.pathname
+        if _PACKAGE_DIR in record.pathname:
+            return True
+        if _ORBAX in record.pathname and not _VERBOSE.value:
+            return record.levelno >= std_logging.CRITICAL
+        return record.levelno >= self.level
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ORBAX = os.sep + os.path.join("orbax", "checkpoint") + os.sep
 
 
 def start(argv, config=None, libraries: str = "error"):

@@ -20,8 +20,9 @@ import optax
 
 from rspc_jax import rspc
 from rspc_jax.evaluation.attacks import project_linf
+from rspc_jax.training import checks
 
-METHODS = ("none", "fgsm", "pgd", "trades")
+METHODS = checks.CHOICES["adversarial.method"]
 START_OFFSET = 1e-5  # the thesis code adds it to the uniform random start
 
 

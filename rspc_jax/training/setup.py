@@ -9,55 +9,18 @@ import jax.numpy as jnp
 import ml_collections
 import tensorflow as tf
 
-from rspc_jax import models, parallel, rspc
+from rspc_jax import ConfigError, models, parallel, rspc
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
 from rspc_jax.training import adversarial as adversarial_training
-from rspc_jax.training import optim
+from rspc_jax.training import checks, optim
 from rspc_jax.training import step as train_step_lib
-
-_CHOICES = {
-    "rspc.ste": ("clip", "identity"),
-    "rspc.noise_space": ("normalized", "pixel"),
-    "rspc.clamp": ("imagenet", "dataset", "none"),
-    "rspc.selection": ("learned", "random"),
-    "rspc.objective": ("align", "ce"),
-    "rspc.fill": ("noise", "zero", "drop"),
-    "adversarial.method": adversarial_training.METHODS,
-    "adversarial.attack_bn": ("train", "eval"),
-    "block_each_step": ("auto", "yes", "no"),
-    "transfer_guard": ("allow", "log", "disallow"),
-    "compute_dtype": ("float32", "bfloat16"),
-    "patch_aug": ("off", "official", "intended"),
-    "init_head": ("load", "reset"),
-}
-
-
-def _get(config, dotted: str):
-    for part in dotted.split("."):
-        config = config[part]
-    return config
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Fails on bad settings before anything is built or compiled."""
-    for key, choices in _CHOICES.items():
-        if _get(config, key) not in choices:
-            raise ValueError(f"config.{key}={_get(config, key)!r} is not one of {choices}")
-    if config.rspc.enabled:
-        rspc.check_ratio(config.rspc.rho)
-    if config.rspc.enabled and config.adversarial.method != "none":
-        raise ValueError(
-            f"config.adversarial.method={config.adversarial.method!r} is a baseline "
-            "that replaces RSPC; set config.rspc.enabled=False"
-        )
-    if config.adversarial.method != "none" and not 0 < config.adversarial.eps <= 1:
-        raise ValueError(
-            f"config.adversarial.eps={config.adversarial.eps} must be in (0, 1] "
-            "(pixels in [0, 1]; e.g. 4/255)"
-        )
-    if config.batch_size <= 0 or config.eval_batch_size <= 0:
-        raise ValueError("batch_size and eval_batch_size must be positive")
+    """Fails on bad settings before anything is built or compiled: every field's range
+    (checks.validate_config), then what needs the devices or files."""
+    checks.validate_config(config)
     parallel.check_batch_size(config.batch_size)
     parallel.check_batch_size(config.eval_batch_size, "eval_batch_size")
     try:
@@ -68,15 +31,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             eval_preprocess=config.eval_preprocess,
         )
     except ValueError as error:
-        raise ValueError(f"bad augmentation setting in the config: {error}") from None
-    if config.keep_best not in ("", "accuracy", "fgsm_accuracy"):
-        raise ValueError(
-            f"config.keep_best={config.keep_best!r} is not one of ('', 'accuracy', 'fgsm_accuracy')"
-        )
-    if config.keep_best == "fgsm_accuracy" and config.eval_fgsm_eps <= 0:
-        raise ValueError("config.keep_best='fgsm_accuracy' needs config.eval_fgsm_eps > 0")
+        raise ConfigError(f"bad augmentation setting in the config: {error}") from None
     if config.init_from and not tf.io.gfile.exists(config.init_from):
-        raise FileNotFoundError(f"config.init_from: checkpoint {config.init_from} does not exist")
+        raise ConfigError(
+            f"config.init_from: checkpoint {config.init_from} does not exist; pass the path of "
+            "a .pth/.safetensors/.npz file"
+        )
 
 
 def build_model(config, num_classes: int):
@@ -89,13 +49,13 @@ def check_model_fits(config, model) -> None:
     model that supports it, with one RSPC patch per token."""
     if config.rspc.enabled and config.rspc.fill == "drop":
         if not getattr(model, "supports_token_dropping", False):
-            raise ValueError(
+            raise ConfigError(
                 f"config.rspc.fill='drop' removes tokens from the sequence, which {config.model_name} "
                 "cannot do (RVT, FAN and XCiT mix tokens with convolutions on the token grid); "
                 "use a ViT/DeiT model or fill='noise'/'zero'"
             )
         if rspc.corruption_patch_size(config.rspc, model) != model.patch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"config.rspc.fill='drop' needs rspc.patch_size equal to the model's "
                 f"token size {model.patch_size}; leave rspc.patch_size at 0"
             )
@@ -104,7 +64,7 @@ def check_model_fits(config, model) -> None:
         sizes["rspc.patch_size"] = rspc.corruption_patch_size(config.rspc, model)
     for what, patch in sizes.items():
         if config.image_size % patch:
-            raise ValueError(
+            raise ConfigError(
                 f"image_size {config.image_size} is not divisible by the {what} {patch}; "
                 f"use an image size that is a multiple of {patch}"
             )
