@@ -135,8 +135,16 @@ def _compile_counter():
     "overrides,error,match",
     [
         ({"model_name": "deit_smal"}, ValueError, "unknown model 'deit_smal'.*Registered models"),
-        ({"rspc.rho": 1.5}, ValueError, r"ratio rho must lie in \(0, 1\)"),
-        ({"rspc.rho": 0.0}, ValueError, r"ratio rho must lie in \(0, 1\)"),
+        (
+            {"rspc.rho": 1.5},
+            ValueError,
+            r"config.rspc.rho=1.5 is out of range: must be in \(0, 1\)",
+        ),
+        (
+            {"rspc.rho": 0.0},
+            ValueError,
+            r"config.rspc.rho=0.0 is out of range: must be in \(0, 1\)",
+        ),
         (
             {"image_size": 30},
             ValueError,
@@ -148,7 +156,7 @@ def _compile_counter():
         ({"dataset": "cifar10"}, datasets.DatasetNotFoundError, "tfds build cifar10"),
         (
             {"init_from": "/nonexistent/rvt.pth.tar"},
-            FileNotFoundError,
+            ValueError,
             "config.init_from: checkpoint /nonexistent/rvt.pth.tar does not exist",
         ),
         ({"init_head": "resize"}, ValueError, "config.init_head='resize' is not one of"),
@@ -170,7 +178,7 @@ def test_non_finite_loss_stops_with_the_step_and_saves_nothing(digits_data_dir, 
     config = smoke_config(
         digits_data_dir, **{"optimizer.lr": 1e12, "total_steps": 4, "checkpoint_every_steps": 100}
     )
-    with pytest.raises(FloatingPointError, match=r"non-finite loss .* at step \d"):
+    with pytest.raises(FloatingPointError, match=r"step \d was not finite"):
         train.train_and_evaluate(config, str(tmp_path / "run"))
     assert not os.listdir(tmp_path / "run" / "checkpoints")
 

@@ -5,15 +5,17 @@ an interrupted save never replaces or corrupts a finished checkpoint.
 """
 
 import json
+import logging as std_logging
 from typing import Any
 
+from absl import logging
 import flax
 from flax import traverse_util
 import jax
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
-from rspc_jax import models
+from rspc_jax import ConfigError, ReportedError, models
 
 # Field names of checkpoints written before the corruption model's fields were renamed.
 _LEGACY_NAMES = {"corruption_params": "occ_params", "corruption_opt_state": "occ_opt_state"}
@@ -24,55 +26,205 @@ def _current_names(state: dict) -> dict:
     return {renamed.get(name, name): value for name, value in state.items()}
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(ReportedError, ValueError):
     """A checkpoint does not fit the model/state the current config builds."""
 
 
+class CheckpointUnreadableError(ReportedError, OSError):
+    """A checkpoint's files cannot be read (truncated, garbled, missing)."""
+
+
+class NoCheckpointError(ReportedError, FileNotFoundError):
+    """The workdir or step asked for holds no finished checkpoint."""
+
+
+class CheckpointSaveError(ReportedError, OSError):
+    """Writing a checkpoint failed (disk full, permissions, an unreachable bucket)."""
+
+
+def _handlers() -> dict:
+    return dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
+
+
+def _restore_as_saved(manager: ocp.CheckpointManager, step: int) -> dict:
+    """Step `step`'s state and meta as saved (nested dicts of arrays), whole arrays on this
+    host's first device: without a target orbax would restore onto the saving run's devices
+    and refuse any other topology."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    target = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+        manager.item_metadata(step)["state"],
+    )
+    return manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ),
+    )
+
+
+def _cause(error: BaseException) -> str:
+    """The first line of an error (tensorstore and orbax errors run to many lines)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+class _OrbaxErrors(std_logging.Handler):
+    """Keeps the last exception orbax logged: a failed async save is logged by orbax's
+    finalize thread and then only surfaces as a missing step, without its cause."""
+
+    def __init__(self):
+        super().__init__(std_logging.ERROR)
+        self.last: BaseException | None = None
+
+    def emit(self, record) -> None:
+        if "orbax" in record.pathname and record.exc_info and record.exc_info[1]:
+            self.last = record.exc_info[1]
+
+
 class Checkpointer:
+    """Async, rotated orbax checkpoints of the train state with two guarantees: a failed save
+    stops training (CheckpointSaveError, raised by the next `check` or `save`) instead of
+    failing silently in orbax's background thread, and `restore_latest` skips a checkpoint
+    that cannot be read, moving it aside, rather than dying on it."""
+
     def __init__(self, directory: str, *, max_to_keep: int):
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=True, create=True
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=True,
+            create=True,
+            # Temporary folders of saves that never finished (a kill, a full disk).
+            cleanup_tmp_directories=True,
         )
         self.directory = directory
-        self._manager = ocp.CheckpointManager(directory, options=options)
+        tf.io.gfile.makedirs(directory)  # before orbax lists it for temporary folders
+        self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+        self._in_flight: int | None = None
+        self._orbax_errors = _OrbaxErrors()
+        std_logging.getLogger("absl").addHandler(self._orbax_errors)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Starts an async save; the training loop decides when one is due."""
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
+        self.check(wait=False)
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except Exception as error:
+            raise self._save_error(step, error) from error
+        self._in_flight = step
+
+    def check(self, wait: bool = True) -> None:
+        """Raises CheckpointSaveError if the last save failed; without `wait` only once it
+        has ended (a cheap poll for every train step)."""
+        step = self._in_flight
+        if step is None or (not wait and self._manager.is_saving_in_progress()):
+            return
+        self._in_flight = None
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as error:
+            raise self._save_error(step, error) from error
+        self._manager.reload()
+        if step not in self._manager.all_steps():  # orbax logs a failed item and skips it
+            raise self._save_error(step, None)
+
+    def _save_error(self, step: int, error: BaseException | None) -> CheckpointSaveError:
+        kept = sorted(s for s in self._manager.all_steps() if s != step)
+        error = error or self._orbax_errors.last
+        cause = _cause(error) if error else "orbax did not finalise it"
+        return CheckpointSaveError(
+            f"saving checkpoint {self.directory}/{step} failed ({cause}); training stopped. "
+            f"The earlier checkpoints ({kept or 'none'}) are intact. Fix the cause "
+            "(free disk space, permissions, the bucket's reachability) and rerun the same command "
+            "to resume from the last one."
         )
 
     def restore(self, step: int, like_state: Any, expected_meta: dict) -> Any:
         """Restores into the shapes, dtypes and shardings of `like_state`.
 
-        Raises CheckpointMismatchError naming what differs (model, dataset, a shape).
+        Raises CheckpointMismatchError naming what differs (model, dataset, a shape), and
+        CheckpointUnreadableError when the checkpoint's files cannot be read.
         """
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        where = f"{self.directory}/{step}"
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except Exception as error:
+            raise CheckpointUnreadableError(f"{where}: {_cause(error)}") from error
         for key, value in expected_meta.items():
             if key in meta and meta[key] != value:
                 raise CheckpointMismatchError(
-                    f"checkpoint {self.directory}/{step} was written with {key}={meta[key]!r}, "
+                    f"checkpoint {where} was written with {key}={meta[key]!r}, "
                     f"but the config asks for {key}={value!r}; use another --workdir or "
                     f"restore the original config"
                 )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
         try:
-            restored = self._restore_state(step, abstract)
-        except (ValueError, KeyError, TypeError) as e:
+            return self._restore_state(step, abstract)
+        except Exception as error:
+            # Readable on its own terms: the config builds another state. Else: damaged.
+            try:
+                _restore_as_saved(self._manager, step)
+            except Exception as read_error:
+                raise CheckpointUnreadableError(f"{where}: {_cause(read_error)}") from error
             raise CheckpointMismatchError(
-                f"checkpoint {self.directory}/{step} does not match the state this config "
-                f"builds (model {expected_meta.get('model_name')!r}): {e}"
-            ) from e
-        return restored
+                f"checkpoint {where} does not match the state this config "
+                f"builds (model {expected_meta.get('model_name')!r}): {_cause(error)}"
+            ) from error
+
+    def restore_latest(self, like_state: Any, expected_meta: dict) -> tuple[int, Any] | None:
+        """(step, state) of the newest checkpoint that can be read, or None if there is none.
+
+        An unreadable newer checkpoint is moved to <directory>.unreadable/<step> (never
+        deleted) with a warning saying why; a mismatch stops with CheckpointMismatchError. If
+        none can be read, raises CheckpointUnreadableError and moves nothing."""
+        problems = {}
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state = self.restore(step, like_state, expected_meta)
+            except CheckpointUnreadableError as error:
+                problems[step] = error
+                continue
+            for bad_step, error in problems.items():
+                self._set_aside(bad_step, error, resumed_step=step)
+            return step, state
+        if problems:
+            raise CheckpointUnreadableError(
+                f"no checkpoint in {self.directory} can be read: "
+                + "; ".join(str(e) for e in problems.values())
+                + ". Nothing was moved; restore them from a copy, or move them away to start over."
+            )
+        return None
+
+    def _set_aside(self, step: int, error: Exception, resumed_step: int) -> None:
+        """Moves an unreadable step out of orbax's sight, keeping its files for inspection."""
+        aside = f"{self.directory}.unreadable"
+        target = f"{aside}/{step}"
+        if jax.process_index() == 0:
+            tf.io.gfile.makedirs(aside)
+            suffix = 1
+            while tf.io.gfile.exists(target):
+                target, suffix = f"{aside}/{step}.{suffix}", suffix + 1
+            tf.io.gfile.rename(f"{self.directory}/{step}", target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"rspc_jax set aside checkpoint {step}")
+        self._manager.reload()
+        logging.warning(
+            f"checkpoint {self.directory}/{step} cannot be read ({error}); resuming from step "
+            f"{resumed_step} instead. Its files were moved to {target}."
+        )
 
     def _restore_state(self, step: int, abstract: Any) -> Any:
         try:
@@ -91,10 +243,16 @@ class Checkpointer:
             return flax.serialization.from_state_dict(abstract, _current_names(state))
 
     def wait_until_finished(self) -> None:
-        self._manager.wait_until_finished()
+        """Waits for the save in flight; raises CheckpointSaveError if it failed."""
+        self.check(wait=True)
 
     def close(self) -> None:
-        self._manager.close()
+        """Waits for the save in flight (raising if it failed) and releases orbax's threads."""
+        try:
+            self.check(wait=True)
+        finally:
+            self._manager.close()
+            std_logging.getLogger("absl").removeHandler(self._orbax_errors)
 
 
 def read_saved_state(directory: str, step: int | None = None) -> tuple[int, dict, dict]:
@@ -103,35 +261,22 @@ def read_saved_state(directory: str, step: int | None = None) -> tuple[int, dict
     latest. Each host reads whole arrays onto one local device, so a checkpoint written by
     a pod reads on a single machine and the other way round."""
     if not tf.io.gfile.isdir(directory):
-        raise FileNotFoundError(
+        raise NoCheckpointError(
             f"no checkpoint directory {directory}; pass the --workdir of a training run"
         )
-    handlers = dict(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
     with ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=handlers
+        directory, options=ocp.CheckpointManagerOptions(read_only=True), item_handlers=_handlers()
     ) as manager:
         steps = manager.all_steps()
         if not steps:
-            raise FileNotFoundError(f"{directory} holds no finished checkpoint")
+            raise NoCheckpointError(f"{directory} holds no finished checkpoint")
         if step is None:
             step = max(steps)
         elif step not in steps:
-            raise ValueError(
+            raise ConfigError(
                 f"{directory} has no checkpoint of step {step}; it has {sorted(steps)}"
             )
-        # Without a target orbax restores onto the saving run's devices (and refuses any
-        # other topology).
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        target = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-            manager.item_metadata(step)["state"],
-        )
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-            ),
-        )
+        restored = _restore_as_saved(manager, step)
     return step, _current_names(jax.device_get(restored["state"])), restored["meta"]
 
 

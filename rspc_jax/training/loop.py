@@ -183,8 +183,9 @@ def train_and_evaluate(
         rspc_enabled=config.rspc.enabled,
     )
     start_step = 0
-    if ckpt.latest_step() is not None:
-        state = ckpt.restore(ckpt.latest_step(), state, meta)
+    restored = ckpt.restore_latest(state, meta)  # skips (and moves aside) unreadable steps
+    if restored is not None:
+        state = restored[1]
         start_step = int(jax.device_get(state.step))
         logging.info(
             f"Resumed from {ckpt.directory}/{start_step} (step {start_step}/{total_steps})"
@@ -195,7 +196,8 @@ def train_and_evaluate(
         checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
     best = BestKeeper(workdir, config, meta) if config.keep_best else None
 
-    logger = metrics_lib.MetricsLogger(workdir, total_steps, config.batch_size)
+    # Records of steps after the restored checkpoint (the killed run's) are dropped.
+    logger = metrics_lib.MetricsLogger(workdir, total_steps, config.batch_size, start_step)
     logger.write_hparams(
         {k: v for k, v in _flat(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
     )
@@ -259,6 +261,10 @@ def train_and_evaluate(
     try:
         with stop.installed():
             while step < total_steps:
+                # A failed background save stops the run here, at once on one host; hosts
+                # agree at log steps (where they wait for the save) so that all stop together.
+                if jax.process_count() == 1 or step % config.log_every_steps == 0:
+                    ckpt.check(wait=jax.process_count() > 1)
                 step += 1
                 last = step == total_steps
                 log_step = step % config.log_every_steps == 0 or last
@@ -281,11 +287,13 @@ def train_and_evaluate(
                 if step == start_step + 1:
                     jax.block_until_ready(step_metrics)
                     logger.start_timer(step)  # throughput without compilation
-                if step % config.log_every_steps == 0 or save:
-                    # Also checks every pending step for a non-finite loss before any save.
+                evaluate = step % eval_every == 0 or last
+                if step % config.log_every_steps == 0 or save or evaluate:
+                    # Also checks every pending step for non-finite numbers before any save
+                    # (or eval, which may keep the best state).
                     logger.write(step, metrics_lib.mean_and_check(pending, pending_start), "train")
                     pending, pending_start = [], step
-                if step % eval_every == 0 or last:
+                if evaluate:
                     final = run_eval(step)
                     logger.start_timer(step)
                 if save:

@@ -15,22 +15,33 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from rspc_jax import ReportedError
 
-class NonFiniteLossError(FloatingPointError):
-    pass
+
+class NonFiniteLossError(ReportedError, FloatingPointError):
+    """A step produced a non-finite loss, gradient or parameter; nothing of it was saved."""
 
 
 def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
-    """Averages fetched per-step metrics; raises on the first non-finite loss."""
+    """Averages fetched per-step metrics; raises on the first step whose loss, gradients or
+    updated parameters were not finite (flagged by the train step)."""
     fetched = jax.device_get(step_metrics)
     for offset, metrics in enumerate(fetched):
-        if not math.isfinite(float(metrics["loss"])):
+        loss = float(metrics["loss"])
+        if metrics.get("nonfinite", 0.0) or not math.isfinite(loss):
+            step = first_step + offset + 1
             raise NonFiniteLossError(
-                f"non-finite loss {float(metrics['loss'])} at step {first_step + offset + 1}; "
-                "stopping without saving it (the last checkpoint is intact). Lower the learning "
-                "rate or check the data."
+                f"step {step} was not finite (loss {loss:.4g}, gradient norm "
+                f"{float(metrics['grad_norm']):.4g}); training stopped before saving anything "
+                f"of step {step} or later, so the last checkpoint holds finite parameters. Lower "
+                "the learning rate (config.optimizer.lr), or check the data; rerunning resumes "
+                "from the last checkpoint."
             )
-    return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+    return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0] if k != "nonfinite"}
+
+
+class MetricsWriteError(ReportedError, OSError):
+    """metrics.jsonl or the TensorBoard events could not be written."""
 
 
 _LEADING = ("loss", "ce", "align", "occluded_ce", "accuracy", "train_accuracy")
@@ -47,14 +58,44 @@ def _format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-class MetricsLogger:
-    """Writes scalars to TensorBoard, `metrics.jsonl` and stdout (process 0 only)."""
+def read_metrics(path: str) -> list[dict]:
+    """The records of a `metrics.jsonl`, skipping a line cut short (a kill or a full disk
+    while it was written)."""
+    if not tf.io.gfile.exists(path):
+        return []
+    records = []
+    with tf.io.gfile.GFile(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
-    def __init__(self, workdir: str, total_steps: int, images_per_step: int):
+
+def truncate_metrics(path: str, last_step: int) -> None:
+    """Keeps the records up to `last_step` (the step a run resumes from), so that the steps a
+    killed run logged after its last checkpoint are not logged twice; written atomically."""
+    if not tf.io.gfile.exists(path):
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    partial = f"{path}.tmp"
+    with tf.io.gfile.GFile(partial, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+    tf.io.gfile.rename(partial, path, overwrite=True)
+
+
+class MetricsLogger:
+    """Writes scalars to TensorBoard, `metrics.jsonl` and stdout (process 0 only); a run that
+    resumes from `start_step` first drops the records of later steps."""
+
+    def __init__(self, workdir: str, total_steps: int, images_per_step: int, start_step: int = 0):
         self.enabled = jax.process_index() == 0
         self.total_steps = total_steps
         self.images_per_step = images_per_step
         self.jsonl_path = os.path.join(workdir, "metrics.jsonl")
+        if self.enabled:
+            truncate_metrics(self.jsonl_path, start_step)
         self._writer = metric_writers.create_default_writer(
             workdir, just_logging=not self.enabled, asynchronous=True
         )
@@ -84,9 +125,16 @@ class MetricsLogger:
             scalars.update({f"train/{k}": v for k, v in self._throughput(step).items()})
         if not self.enabled:
             return
-        self._writer.write_scalars(step, scalars)
-        with tf.io.gfile.GFile(self.jsonl_path, "a") as f:  # local or gs://
-            f.write(json.dumps({"step": step, **scalars}) + "\n")
+        try:
+            self._writer.write_scalars(step, scalars)
+            with tf.io.gfile.GFile(self.jsonl_path, "a") as f:  # local or gs://
+                f.write(json.dumps({"step": step, **scalars}) + "\n")
+        except (OSError, tf.errors.OpError) as error:
+            raise MetricsWriteError(
+                f"cannot write the metrics of step {step} to {self.jsonl_path} ({error}); "
+                "free disk space or fix permissions and rerun the same command to resume from "
+                "the last checkpoint."
+            ) from error
         logging.info(self._console_line(step, scalars, prefix))
 
     def _console_line(self, step: int, scalars: dict, prefix: str) -> str:

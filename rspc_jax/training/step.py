@@ -303,7 +303,27 @@ def _per_device_train_step(
         corruption_opt_state=corruption_opt_state,
         ema_params=ema_params,
     )
-    return new_state, jax.lax.pmean(metrics, DATA_AXIS)
+    # Flags a step whose loss, gradients or results are not finite; the loop checks the flags
+    # of every step before it saves or evaluates anything and stops at the first one, so no
+    # checkpoint holds what such a step produced. (The loss alone is not enough: step k's loss
+    # comes from step k-1's parameters, and an overflowing update shows only one step later.)
+    finite = _all_finite(
+        jax.lax.psum(loss, DATA_AXIS),
+        metrics["grad_norm"],
+        metrics.get("corruption_grad_norm", 0.0),
+        new_state.params,
+        new_state.corruption_params,
+        new_state.batch_stats,
+    )
+    metrics = jax.lax.pmean(metrics, DATA_AXIS)
+    metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+    return new_state, metrics
+
+
+def _all_finite(*trees) -> jax.Array:
+    """True when every number in `trees` is finite (one boolean reduction per array)."""
+    leaves = jax.tree.leaves(trees)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
 def make_train_step(mesh: Mesh, **kwargs):

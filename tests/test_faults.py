@@ -1,0 +1,320 @@
+"""Fault injection: what a long run on preemptible machines meets (a damaged checkpoint, a
+diverging step, a failed save, a kill, a stop signal) and bad input. Each must end with one
+clear message and a non-zero exit, and leave nothing on disk inconsistent or lost."""
+
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, run_python, smoke_config
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import tensorstore as ts
+
+from rspc_jax.interop import checkpoints
+from rspc_jax.training import loop as train
+from rspc_jax.training import optim, reporting
+
+
+@pytest.fixture(scope="module")
+def base_run(digits_data_dir, tmp_path_factory):
+    """A 4-step smoke run with checkpoints at steps 2 and 4 (copied by each test)."""
+    config = _config(digits_data_dir, total_steps=4, checkpoint_every_steps=2)
+    workdir = tmp_path_factory.mktemp("faults") / "base"
+    train.train_and_evaluate(config, str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    return config, workdir
+
+
+def _config(data_dir, **overrides):
+    """The smoke config logging every step (the tests count the records)."""
+    return smoke_config(data_dir, log_every_steps=1, **overrides)
+
+
+def _copy(base, tmp_path):
+    shutil.copytree(base, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def _truncate_data_files(step_dir):
+    data = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(step_dir / "state")
+        if os.path.basename(root) == "d"
+        for name in names
+    ]
+    assert data
+    for path in data:
+        os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _garble_metadata(step_dir):
+    (step_dir / "state" / "_METADATA").write_text("{not json at all")
+
+
+def _text(result) -> str:
+    """stderr with the line wrapping of the one-paragraph error undone."""
+    return " ".join(result.stderr.split())
+
+
+def _train_records(workdir):
+    return [
+        r["step"]
+        for r in reporting.read_metrics(str(workdir / "metrics.jsonl"))
+        if "train/loss" in r
+    ]
+
+
+@pytest.mark.parametrize("damage", [_truncate_data_files, _garble_metadata])
+def test_an_unreadable_latest_checkpoint_is_set_aside_and_the_run_resumes_before_it(
+    base_run, tmp_path, caplog, damage
+):
+    config, base = base_run
+    workdir = _copy(base, tmp_path)
+    damage(workdir / "checkpoints" / "4")
+    config = _config(config.data_dir, total_steps=6, checkpoint_every_steps=2)
+    with caplog.at_level(logging.WARNING):
+        result = train.train_and_evaluate(config, str(workdir))
+    assert result["step"] == 6
+    assert "checkpoints/4 cannot be read" in caplog.text
+    assert "resuming from step 2" in caplog.text
+    assert os.listdir(workdir / "checkpoints.unreadable") == ["4"]  # kept, never deleted
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4", "6"]
+    assert _train_records(workdir) == [1, 2, 3, 4, 5, 6]
+
+
+def test_when_no_checkpoint_can_be_read_nothing_is_moved(base_run, tmp_path):
+    config, base = base_run
+    workdir = _copy(base, tmp_path)
+    for step in ("2", "4"):
+        _truncate_data_files(workdir / "checkpoints" / step)
+    with pytest.raises(
+        checkpoints.CheckpointUnreadableError, match="no checkpoint in .* can be read"
+    ):
+        train.train_and_evaluate(config, str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    assert not (workdir / "checkpoints.unreadable").exists()
+
+
+def test_a_checkpoint_of_another_model_is_a_mismatch_not_damage(base_run, tmp_path):
+    config, base = base_run
+    workdir = _copy(base, tmp_path)
+    wider = _config(config.data_dir, total_steps=4, **{"model.width": 48})
+    with pytest.raises(checkpoints.CheckpointMismatchError, match="does not match the state"):
+        train.train_and_evaluate(wider, str(workdir))
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    assert not (workdir / "checkpoints.unreadable").exists()
+
+
+def _poisoned_at(step: int) -> optax.GradientTransformation:
+    """Infinite updates at `step` (1-based), as a diverging learning rate would give: the loss
+    of that step is still finite (it was computed before the update)."""
+
+    def init(params):
+        return jnp.zeros((), jnp.int32)
+
+    def update(updates, count, params=None):
+        bad = count == step - 1
+        return jax.tree.map(lambda u: jnp.where(bad, jnp.inf, u), updates), count + 1
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_path, monkeypatch):
+    config, base = base_run
+    original = optim.classifier_optimizer
+    monkeypatch.setattr(
+        optim,
+        "classifier_optimizer",
+        lambda *args, **kwargs: optax.chain(original(*args, **kwargs), _poisoned_at(3)),
+    )
+    config = _config(config.data_dir, total_steps=4, checkpoint_every_steps=1)
+    workdir = tmp_path / "run"
+    with pytest.raises(reporting.NonFiniteLossError, match="step 3 was not finite"):
+        train.train_and_evaluate(config, str(workdir))
+    saved = sorted(int(s) for s in os.listdir(workdir / "checkpoints"))
+    assert saved == [1, 2]
+    for step in saved:
+        _, state, _ = checkpoints.read_saved_state(str(workdir / "checkpoints"), step)
+        assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state))
+    # The last checkpoint is step 2 of the same run without the bad step.
+    _, last, _ = checkpoints.read_saved_state(str(workdir / "checkpoints"), 2)
+    _, reference, _ = checkpoints.read_saved_state(str(base / "checkpoints"), 2)
+    for a, b in zip(jax.tree.leaves(last["params"]), jax.tree.leaves(reference["params"])):
+        np.testing.assert_array_equal(a, b)
+
+
+def _failing_writes(step: int):
+    """tensorstore.open that fails like a full disk for the files of checkpoint `step`, in
+    orbax's background writer (where a real ENOSPC shows up)."""
+    real_open = ts.open
+
+    def open_(spec, *args, **kwargs):
+        path = json.dumps((spec if isinstance(spec, ts.Spec) else ts.Spec(spec)).to_json())
+        if kwargs.get("create") and f"/checkpoints/{step}.orbax-checkpoint-tmp" in path:
+
+            async def fail():
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            return fail()
+        return real_open(spec, *args, **kwargs)
+
+    return open_
+
+
+def test_a_failed_save_stops_the_run_and_the_rerun_resumes_from_the_last_good_one(
+    digits_data_dir, tmp_path, monkeypatch
+):
+    config = _config(digits_data_dir, total_steps=12, checkpoint_every_steps=2, keep_checkpoints=5)
+    workdir = tmp_path / "run"
+    monkeypatch.setattr(ts, "open", _failing_writes(4))
+    with pytest.raises(checkpoints.CheckpointSaveError, match="No space left on device") as error:
+        train.train_and_evaluate(config, str(workdir))
+    assert "checkpoints/4 failed" in str(error.value) and "([2]) are intact" in str(error.value)
+    assert max(_train_records(workdir)) <= 7  # stopped within a few steps of the failure
+    assert "2" in os.listdir(workdir / "checkpoints")
+    checkpoints.read_saved_state(str(workdir / "checkpoints"), 2)
+    monkeypatch.undo()
+    result = train.train_and_evaluate(config, str(workdir))
+    assert result["step"] == 12
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "12", "4", "6", "8"]
+    assert _train_records(workdir) == list(range(1, 13))
+
+
+def test_a_resumed_run_logs_each_step_once_and_reads_past_a_cut_last_line(base_run, tmp_path):
+    config, base = base_run
+    workdir = _copy(base, tmp_path)
+    with open(workdir / "metrics.jsonl", "a") as f:  # what a run killed at step 6 leaves
+        f.write('{"step": 5, "train/loss": 2.3}\n{"step": 6, "train/loss": 2.3}\n{"step": 7, "tr')
+    assert _train_records(workdir) == [1, 2, 3, 4, 5, 6]
+    config = _config(config.data_dir, total_steps=6, checkpoint_every_steps=2)
+    train.train_and_evaluate(config, str(workdir))
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines)
+    assert _train_records(workdir) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    "flag,field",
+    [
+        ("--config.optimizer.lr=-0.001", "config.optimizer.lr"),
+        ("--config.optimizer.lr=0", "config.optimizer.lr"),
+        ("--config.optimizer.warmup_epochs=50", "config.optimizer.warmup_epochs"),
+        ("--config.batch_size=0", "config.batch_size"),
+        ("--config.eval_batch_size=-8", "config.eval_batch_size"),
+        ("--config.num_epochs=0", "config.num_epochs"),
+        ("--config.label_smoothing=1.0", "config.label_smoothing"),
+        ("--config.ema_decay=1.0", "config.ema_decay"),
+        ("--config.model.drop_path_rate=1.0", "config.model.drop_path_rate"),
+        ("--config.rspc.lam=-0.1", "config.rspc.lam"),
+        ("--config.rspc.rho=0", "config.rspc.rho"),
+        ("--config.rspc.optimizer.lr=0", "config.rspc.optimizer.lr"),
+        ("--config.keep_checkpoints=0", "config.keep_checkpoints"),
+        ("--config.rspc.noise_space=raw", "config.rspc.noise_space"),
+        ("--config.rspc.rhoo=0.2", "no field 'rhoo'"),
+        ("--config=configs/nope.py", "config file 'configs/nope.py' does not exist"),
+    ],
+)
+def test_a_bad_value_is_refused_in_one_paragraph_before_anything_is_built(tmp_path, flag, field):
+    workdir = tmp_path / "run"
+    args = ["--config=configs/demo.py", flag] if not flag.startswith("--config=") else [flag]
+    result = run_python(["-m", "rspc_jax.main", *args, f"--workdir={workdir}"], timeout=120)
+    assert result.returncode == 1
+    assert field in _text(result)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("rspc_jax.main: error:")
+    assert not workdir.exists()
+
+
+def test_a_workdir_that_cannot_be_written_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for workdir, message in ((blocker, "is a file"), (blocker / "run", "cannot write into")):
+        result = run_python(
+            ["-m", "rspc_jax.main", "--config=configs/demo.py", f"--workdir={workdir}"], timeout=120
+        )
+        assert result.returncode == 1 and message in _text(result), result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_the_checks_run_before_jax_and_tensorflow_are_imported():
+    code = (
+        "import sys\n"
+        "from rspc_jax.training import checks\n"
+        "from rspc_jax.tools import cli\n"
+        "heavy = sorted({'jax', 'tensorflow', 'flax'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    result = run_python(["-c", code], timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_evaluate_and_export_refuse_weights_of_another_width_naming_the_field(base_run, tmp_path):
+    config, base = base_run
+    workdir = _copy(base, tmp_path)
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.evaluate",
+            "--config=configs/demo.py:smoke",
+            f"--config.data_dir={config.data_dir}",
+            "--config.model.width=48",
+            f"--workdir={workdir}",
+            "--suites=clean",
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "has shape" in _text(result) and "Traceback" not in result.stderr
+    assert not (workdir / "eval").exists()
+    edited = json.loads((workdir / "config.json").read_text())
+    edited["model"]["width"] = 48
+    (workdir / "config.json").write_text(json.dumps(edited))
+    result = run_python(
+        ["-m", "rspc_jax.export", f"--workdir={workdir}", f"--out={tmp_path / 'w.safetensors'}"],
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "has shape" in _text(result) and "Traceback" not in result.stderr
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_sigterm_saves_and_exits_well_within_a_preemption_notice(digits_data_dir, tmp_path):
+    workdir = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "rspc_jax.main",
+        "--config=configs/demo.py:smoke",
+        f"--workdir={workdir}",
+        f"--config.data_dir={digits_data_dir}",
+        "--config.total_steps=100000",
+        "--config.checkpoint_every_steps=100000",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        for line in proc.stderr:
+            if "] [train] step 4/" in line:
+                signalled = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = proc.stderr.read()
+        assert proc.wait(timeout=120) == 0
+        exit_seconds = time.monotonic() - signalled
+    finally:
+        proc.kill()
+    assert "Stopped at step" in out
+    # Preemption notices give about 30 s; the save and the exit must fit well inside.
+    assert exit_seconds < 30, exit_seconds
