@@ -144,6 +144,34 @@ def test_an_xcit_block_lesion_removes_attention_lpi_and_mlp():
         )
 
 
+@pytest.mark.parametrize(
+    "name,overrides,zeroed",
+    [
+        (
+            "swin_tiny_patch4_window7_224",
+            dict(embed_dim=16, depths=(2, 1), num_heads=(2, 2), window_size=4),
+            [("layers_0", "blocks_0", "attn", "proj"), ("layers_0", "blocks_0", "mlp", "fc2")],
+        ),
+        (
+            "cait_xxs24_224",
+            dict(embed_dim=16, depth=2, num_heads=2, init_values=0.5),
+            [("blocks_0", "gamma_1"), ("blocks_0", "gamma_2")],
+        ),
+    ],
+)
+def test_swin_and_cait_blocks_can_be_lesioned(name, overrides, zeroed):
+    model, variables = _model_and_variables(name, **overrides)
+    keep = interventions.keep_all(3 if name.startswith("swin") else 2)
+    keep[0] = 0.0
+    lesioned = interventions.apply(
+        model, variables, IMAGES, interventions.Intervention(keep=keep), train=False
+    )
+    by_hand = model.apply(_zeroed(variables, zeroed), IMAGES, train=False)
+    error = np.max(np.abs(lesioned - by_hand))
+    effect = np.max(np.abs(lesioned - model.apply(variables, IMAGES, train=False)))
+    assert error < 1e-6 and effect > 100 * max(error, 1e-8), (error, effect)
+
+
 # --------------------------------------------------------------------------------------
 # interventions: restricted attention
 

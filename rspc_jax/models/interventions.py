@@ -16,10 +16,17 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from rspc_jax.models import fan, layers, rvt, xcit
+from rspc_jax.models import cait, fan, layers, rvt, swin, xcit
 
 # The backbone blocks whose outputs the models sow (not stem or class-attention blocks).
-BLOCK_TYPES = (layers.Block, rvt.Block, fan.FANBlock, xcit.XCABlock)
+BLOCK_TYPES = (
+    layers.Block,
+    rvt.Block,
+    fan.FANBlock,
+    xcit.XCABlock,
+    swin.SwinBlock,
+    cait.LayerScaleBlock,
+)
 # Residual-branch submodules of a block, by name: self-attention, XCiT's local patch
 # interaction, MLP (FAN: channel processing). Columns of `Intervention.keep`.
 BRANCHES = ("attn", "local_mp", "mlp")
