@@ -64,9 +64,11 @@ def _restore_as_saved(manager: ocp.CheckpointManager, step: int) -> dict:
 
 
 def _cause(error: BaseException) -> str:
-    """The first line of an error (tensorstore and orbax errors run to many lines)."""
+    """The first sentence of an error (tensorstore and orbax errors run to many lines and
+    append whole TensorStore specs)."""
     lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    first = lines[0].split(" See full TensorStore details")[0] if lines else ""
+    return f"{type(error).__name__}: {first}"
 
 
 class _OrbaxErrors(std_logging.Handler):

@@ -75,17 +75,28 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(f"{_flag_error_text(error)} Run with --helpfull to list the flags.")
 
 
-def _without_closed_loop_noise(excepthook):
-    """After a failed checkpoint write, tensorstore completes the remaining writes' futures
-    into orbax's closed event loop and prints each RuntimeError through sys.excepthook: dozens
-    of identical tracebacks that hide the one-paragraph error. Those alone are dropped."""
+def _hide_orbax_leftovers() -> None:
+    """After a failed checkpoint read or write, orbax's abandoned coroutines fail again when
+    collected ("Exception ignored in <coroutine ...>", each with a whole TensorStore spec) and
+    tensorstore completes the remaining futures into closed event loops ("Event loop is
+    closed"): dozens of tracebacks around an error that is already reported once, in one
+    paragraph. Only those are dropped (--verbose keeps them)."""
+    excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
 
-    def hook(kind, value, tb):
-        if kind is RuntimeError and str(value) == "Event loop is closed":
+    def quiet_excepthook(kind, value, tb):  # the same error printed from tensorstore's threads
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            excepthook(kind, value, tb)
+
+    def quiet_unraisablehook(unraisable):
+        code = getattr(unraisable.object, "cr_code", None)  # a coroutine's code
+        closed_loop = unraisable.exc_type is RuntimeError and (
+            str(unraisable.exc_value) == "Event loop is closed"
+        )
+        if closed_loop or (code is not None and _ORBAX in code.co_filename):
             return
-        excepthook(kind, value, tb)
+        unraisablehook(unraisable)
 
-    return hook
+    sys.excepthook, sys.unraisablehook = quiet_excepthook, quiet_unraisablehook
 
 
 def run(main: Callable[[list[str]], None]) -> None:
@@ -95,7 +106,7 @@ def run(main: Callable[[list[str]], None]) -> None:
 
     def reported(argv):
         if not _VERBOSE.value:
-            sys.excepthook = _without_closed_loop_noise(sys.excepthook)
+            _hide_orbax_leftovers()
         try:
             main(argv)
         except ReportedError as error:
