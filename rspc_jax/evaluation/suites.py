@@ -232,13 +232,13 @@ def attention_stability(ctx: Context) -> dict:
         ctx, sharded(ctx, step), jax.random.PRNGKey(ctx.seed + 2), label="attention_stability"
     )
     per_image = out["cos"].mean(axis=1)
-    channel = type(ctx.model).__name__ == "XCiT"
+    kind = attention_kind(ctx.model)
     result = dict(
-        maps=(
-            "XCiT channel attention (d x d per head)"
-            if channel
-            else "token attention (N x N per head)"
-        ),
+        maps={
+            "channels": "XCiT channel attention (d x d per head)",
+            "windows": "Swin window attention (one w^2 x w^2 map per window and head)",
+            "tokens": "token attention (N x N per head)",
+        }[kind],
         definition=(
             "per image: mean over layers and heads of cos(vec(A_clean), vec(A_occluded)), "
             "one random mask per image"
@@ -251,9 +251,16 @@ def attention_stability(ctx: Context) -> dict:
         num_examples=int(per_image.size),
         figures=dict(histogram=per_image),
     )
-    if not channel:
+    if kind == "tokens":  # a query patch's map over the whole grid
         result["figures"]["query_maps"] = _query_maps(ctx)
     return result
+
+
+def attention_kind(model) -> str:
+    """What the sown attention maps attend over: 'tokens' (N x N, what the query-patch figures
+    and Patch-Fool need), 'channels' (XCiT's d x d maps) or 'windows' (Swin's maps inside each
+    local window)."""
+    return {"XCiT": "channels", "Swin": "windows"}.get(type(model).__name__, "tokens")
 
 
 def _query_maps(ctx: Context) -> dict:
@@ -308,7 +315,7 @@ def adversarial(ctx: Context) -> dict:
     stages = autoattack.VERSIONS[s.autoattack_version]
     randomised = s.autoattack_version == "rand"
     mean, std = jnp.asarray(ctx.spec.mean), jnp.asarray(ctx.spec.std)
-    token_attention = type(ctx.model).__name__ != "XCiT"
+    token_attention = attention_kind(ctx.model) == "tokens"
     if token_attention:  # Patch-Fool's block 4 of a 12-block DeiT; capped for shallow models
         image = jax.ShapeDtypeStruct(
             (1, ctx.config.image_size, ctx.config.image_size, 3), jnp.float32
