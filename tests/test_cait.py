@@ -2,8 +2,6 @@
 the thesis's CaiT-S12, logits in both directions, talking-heads attention against a NumPy
 transcription of timm's forward, the sown blocks, and one RSPC train step."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +15,7 @@ from tests.test_swin import (
     assert_remat_recomputes_with_the_same_gradients,
     assert_rspc_step_is_sound,
     rspc_train_step,
+    sown_shapes,
     timm_reference,
 )
 
@@ -107,16 +106,7 @@ def test_talking_heads_attention_matches_timm():
 
 def test_sows_every_self_attention_block_and_the_class_attention_rows():
     model = models.create("cait_xxs24_224", num_classes=1000)
-    images = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
-    variables = jax.eval_shape(
-        functools.partial(model.init, train=False), jax.random.PRNGKey(0), images
-    )
-    logits, state = jax.eval_shape(
-        functools.partial(model.apply, train=False, mutable=["intermediates"], sow_attention=True),
-        variables,
-        images,
-    )
-    sown = state["intermediates"]
+    logits, sown = sown_shapes(model)
     assert logits.shape == (2, 1000) and model.patch_size == 16
     assert [b.shape for b in sown["block_outputs"]] == [(2, 196, 192)] * 24
     assert [a.shape for a in sown["attention_maps"]] == [(2, 4, 196, 196)] * 24

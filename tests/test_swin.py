@@ -190,9 +190,9 @@ def test_shifted_window_mask_values_and_small_maps():
     assert swin.window_and_shift((14, 14), 7, True) == ((7, 7), (3, 3))
 
 
-def test_sows_every_block_per_stage_and_its_window_attention():
-    model = models.create("swin_tiny_patch4_window7_224", num_classes=1000)
-    images = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
+def sown_shapes(model, batch: int = 2, image_size: int = 224):
+    """(logits, intermediates) of `model` with attention maps, as shapes (nothing computed)."""
+    images = jax.ShapeDtypeStruct((batch, image_size, image_size, 3), jnp.float32)
     variables = jax.eval_shape(
         functools.partial(model.init, train=False), jax.random.PRNGKey(0), images
     )
@@ -201,7 +201,12 @@ def test_sows_every_block_per_stage_and_its_window_attention():
         variables,
         images,
     )
-    sown = state["intermediates"]
+    return logits, state["intermediates"]
+
+
+def test_sows_every_block_per_stage_and_its_window_attention():
+    model = models.create("swin_tiny_patch4_window7_224", num_classes=1000)
+    logits, sown = sown_shapes(model)
     assert logits.shape == (2, 1000)
     stages = [(2, 56, 96, 3, 64), (2, 28, 192, 6, 16), (6, 14, 384, 12, 4), (2, 7, 768, 24, 1)]
     assert [b.shape for b in sown["block_outputs"]] == [

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -195,7 +196,10 @@ def test_demo_smoke_end_to_end_through_main(demo_run):
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir))
 
 
-def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir, tmp_path):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_resumes(
+    digits_data_dir, tmp_path, stop_signal
+):
     workdir = tmp_path / "run"
     command = [
         sys.executable,
@@ -214,13 +218,17 @@ def test_sigint_saves_a_checkpoint_and_the_same_command_resumes(digits_data_dir,
     try:  # the loop's lines are absl log lines on stderr
         for line in proc.stderr:
             if "] [train] step 4/" in line:
-                proc.send_signal(signal.SIGINT)
+                signalled = time.monotonic()
+                proc.send_signal(stop_signal)
                 break
         out = proc.stderr.read()
         assert proc.wait(timeout=120) == 0
+        exit_seconds = time.monotonic() - signalled
     finally:
         proc.kill()
     assert "Stopped at step" in out
+    # A preemption notice gives about 30 s; the save and the exit must fit well inside.
+    assert exit_seconds < 30, exit_seconds
     stopped = int(out.split("Stopped at step ")[1].split(":")[0])
     assert stopped >= 4 and os.listdir(workdir / "checkpoints") == [str(stopped)]
     result = run_python(command[1:-2] + [f"--config.total_steps={stopped + 2}"], timeout=300)
