@@ -1,5 +1,5 @@
 """XCiT (El-Nouby et al. 2021) as timm builds it (timm/models/xcit.py), the model of the
-thesis (../shared/papers/002) that RSPC users compare against.
+adversarial-robustness thesis (Debenedetti, EPFL 2022) that RSPC users compare against.
 
 Cross-covariance attention (XCA) attends over channels: per head, q and k are L2-normalised
 along the tokens and the d x d matrix softmax(q k^T * temperature) mixes the channels of v.
