@@ -105,12 +105,10 @@ class Checkpointer:
         self._orbax_errors = _OrbaxErrors()
         std_logging.getLogger("absl").addHandler(self._orbax_errors)
 
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
-
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Starts an async save; the training loop decides when one is due."""
-        self.check(wait=False)
+        """Starts an async save; the training loop decides when one is due. Orbax waits for
+        the previous save first, so that one is checked here (a failure names its own step)."""
+        self.check()
         try:
             self._manager.save(
                 step,

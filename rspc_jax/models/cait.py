@@ -20,17 +20,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rspc_jax.models import layers, register, vit
+from rspc_jax.models import fan, layers, register, vit
 
-LAYERNORM_EPS = 1e-6
-
-
-def _layer_norm(name: str) -> layers.LayerNorm:
-    return layers.LayerNorm(epsilon=LAYERNORM_EPS, name=name)
-
-
-def _dense(features: int, name: str, use_bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, kernel_init=layers.dense_init, name=name)
+# Layers as FAN and XCiT build them (LayerNorm eps 1e-6, timm's Linear init); CaiT's class
+# attention is the same timm `ClassAttn` (fan.ClassAttn).
+_layer_norm = fan._layer_norm
+_dense = fan._dense
 
 
 def _mix_heads(attention: jax.Array, name: str) -> jax.Array:
@@ -61,32 +56,6 @@ class TalkingHeadAttn(nn.Module):
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         mixed = nn.Dropout(self.dropout, deterministic=not train)(_mix_heads(attn, "proj_w"))
         out = jnp.einsum("bhqk,bhkd->bhqd", mixed, v).transpose(0, 2, 1, 3).reshape(x.shape)
-        return nn.Dropout(self.dropout, deterministic=not train)(_dense(dim, "proj")(out)), attn
-
-
-class ClassAttn(nn.Module):
-    """timm CaiT `ClassAttn`: separate `q`, `k`, `v`; only token 0 (the class token) queries.
-    Returns its new value (B, 1, C) and its attention row (B, heads, 1, N)."""
-
-    num_heads: int
-    qkv_bias: bool = True
-    dropout: float = 0.0
-
-    @nn.compact
-    def __call__(self, u, *, train: bool):
-        batch, tokens, dim = u.shape
-        heads, head_dim = self.num_heads, dim // self.num_heads
-
-        def split(y):  # (B, n, C) -> (B, heads, n, head_dim)
-            return y.reshape(batch, y.shape[1], heads, head_dim).transpose(0, 2, 1, 3)
-
-        q = split(_dense(dim, "q", self.qkv_bias)(u[:, :1]))
-        k = split(_dense(dim, "k", self.qkv_bias)(u))
-        v = split(_dense(dim, "v", self.qkv_bias)(u))
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q * head_dim**-0.5, k)
-        attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(u.dtype)
-        attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
-        out = jnp.einsum("bhqk,bhkd->bqhd", attn_dropped, v).reshape(batch, 1, dim)
         return nn.Dropout(self.dropout, deterministic=not train)(_dense(dim, "proj")(out)), attn
 
 
@@ -133,7 +102,7 @@ class LayerScaleBlockClassAttn(nn.Module):
         gamma_1 = self.param("gamma_1", init, (dim,))
         gamma_2 = self.param("gamma_2", init, (dim,))
         u = _layer_norm("norm1")(jnp.concatenate([cls, x], axis=1))
-        y, attn = ClassAttn(self.num_heads, self.qkv_bias, name="attn")(u, train=train)
+        y, attn = fan.ClassAttn(self.num_heads, self.qkv_bias, name="attn")(u)
         cls = cls + gamma_1 * y
         y = layers.Mlp(int(dim * self.mlp_ratio), name="mlp")(
             _layer_norm("norm2")(cls), train=train

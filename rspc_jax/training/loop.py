@@ -66,7 +66,6 @@ class BestKeeper:
             logging.info(f"[best] step {step}: {self.metric} {value:.4f} -> {self.directory}")
 
     def close(self) -> None:
-        self._ckpt.wait_until_finished()
         self._ckpt.close()
 
 
@@ -185,8 +184,7 @@ def train_and_evaluate(
     start_step = 0
     restored = ckpt.restore_latest(state, meta)  # skips (and moves aside) unreadable steps
     if restored is not None:
-        state = restored[1]
-        start_step = int(jax.device_get(state.step))
+        start_step, state = restored
         logging.info(
             f"Resumed from {ckpt.directory}/{start_step} (step {start_step}/{total_steps})"
         )
@@ -307,8 +305,7 @@ def train_and_evaluate(
                     )
                     break
     finally:
-        ckpt.wait_until_finished()
-        ckpt.close()
+        ckpt.close()  # waits for the save in flight and raises if it failed
         if best is not None:
             best.close()
         logger.close()
