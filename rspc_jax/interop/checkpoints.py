@@ -6,6 +6,7 @@ an interrupted save never replaces or corrupts a finished checkpoint.
 
 import json
 import logging as std_logging
+import os
 from typing import Any
 
 from absl import logging
@@ -84,6 +85,21 @@ class _OrbaxErrors(std_logging.Handler):
             self.last = record.exc_info[1]
 
 
+_UNFINISHED = ".orbax-checkpoint-tmp"  # orbax's name for a step it is still writing
+
+
+def _remove_unfinished_saves(directory: str) -> None:
+    """Deletes the temporary folders of saves that never finished (a kill, a full disk).
+    Orbax never lists them as steps, but a new save of the same step would meet them. Done
+    here, synchronously, rather than by orbax's `cleanup_tmp_directories`, whose background
+    listing can race the directory's creation."""
+    if jax.process_index() != 0:
+        return
+    for name in tf.io.gfile.listdir(directory):
+        if _UNFINISHED in name:
+            tf.io.gfile.rmtree(os.path.join(directory, name.rstrip("/")))
+
+
 class Checkpointer:
     """Async, rotated orbax checkpoints of the train state with two guarantees: a failed save
     stops training (CheckpointSaveError, raised by the next `check` or `save`) instead of
@@ -95,11 +111,10 @@ class Checkpointer:
             max_to_keep=max_to_keep,
             enable_async_checkpointing=True,
             create=True,
-            # Temporary folders of saves that never finished (a kill, a full disk).
-            cleanup_tmp_directories=True,
         )
         self.directory = directory
-        tf.io.gfile.makedirs(directory)  # before orbax lists it for temporary folders
+        tf.io.gfile.makedirs(directory)
+        _remove_unfinished_saves(directory)
         self._manager = ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
         self._in_flight: int | None = None
         self._orbax_errors = _OrbaxErrors()
