@@ -8,7 +8,7 @@ import time
 from absl import logging
 import jax
 
-from rspc_jax import models, parallel, rspc
+from rspc_jax import ConfigError, models, parallel, rspc
 from rspc_jax.data import specs as datasets
 from rspc_jax.evaluation import figures, report, sources
 from rspc_jax.evaluation import loop as runner
@@ -24,7 +24,7 @@ def load_variables(config, model, *, workdir, checkpoint, step, ema):
         variables = interop.init_and_load(model, checkpoint, image_size=config.image_size, ema=ema)
         return variables, None, f"{checkpoint}{' (EMA)' if ema else ''}"
     if not workdir:
-        raise ValueError("pass --workdir (a training run) or --checkpoint (a file)")
+        raise ConfigError("pass --workdir (a training run) or --checkpoint (a file)")
     step, state, _ = checkpointing.read_model_state(
         os.path.join(workdir, "checkpoints"),
         step,
@@ -33,7 +33,7 @@ def load_variables(config, model, *, workdir, checkpoint, step, ema):
         image_size=config.image_size,
     )
     if ema and not state.get("ema_params"):
-        raise ValueError(f"{workdir} kept no EMA; evaluate without --ema")
+        raise ConfigError(f"{workdir} kept no EMA; evaluate without --ema")
     variables = dict(params=state["ema_params"] if ema else state["params"])
     if state.get("batch_stats"):
         variables["batch_stats"] = state["batch_stats"]
@@ -87,7 +87,7 @@ def run_suites(
     names = [s for s in (suites or config.evaluation.suites).split(",") if s]
     unknown = sorted(set(names) - set(available))
     if unknown:
-        raise ValueError(f"unknown suites {unknown}; choose from {sorted(available)}")
+        raise ConfigError(f"unknown suites {unknown}; choose from {sorted(available)}")
     spec = datasets.dataset_spec(config.dataset)
     model = models.from_config(config, spec.num_classes)
     variables, corruption_params, source = load_variables(

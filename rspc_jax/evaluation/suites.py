@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rspc_jax import rspc
+from rspc_jax import ConfigError, rspc
 from rspc_jax.data import eval as data
 from rspc_jax.evaluation import attacks, autoattack, occlusion, protocols
 from rspc_jax.evaluation import loop as runner
@@ -306,9 +306,9 @@ def adversarial(ctx: Context) -> dict:
     attacks_run = [a for a in s.attacks.split(",") if a]
     unknown = sorted(set(attacks_run) - set(ATTACKS))
     if unknown:
-        raise ValueError(f"config.evaluation.attacks: unknown {unknown}; choose from {ATTACKS}")
+        raise ConfigError(f"config.evaluation.attacks: unknown {unknown}; choose from {ATTACKS}")
     if s.autoattack_version not in autoattack.VERSIONS:
-        raise ValueError(
+        raise ConfigError(
             f"config.evaluation.autoattack_version={s.autoattack_version!r}; "
             f"choose from {list(autoattack.VERSIONS)}"
         )
