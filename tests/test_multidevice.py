@@ -23,20 +23,24 @@ _EQUALITY_SCRIPT = textwrap.dedent("""
         dataset=config.dataset, data_dir=config.data_dir, split="train", image_size=32,
         local_batch_size=16, seed=0, augment="digits"), 3))
     results = {}
-    for n in (1, 8):
+    # 8 devices, and 8 devices that each split their 2 images into 2 micro-batches.
+    for n, k in ((1, 1), (8, 1), (8, 2)):
         mesh = Mesh(np.asarray(jax.devices()[:n]), (parallel.DATA_AXIS,))
+        config.grad_accum_steps = k
         parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
         state = parts.init(jax.random.PRNGKey(0))
         for batch in batches:
             state, metrics = parts.train_step(state, parallel.to_global(batch, mesh))
             jax.block_until_ready(metrics)  # queued collectives deadlock on 2 CPU cores
-        results[n] = jax.device_get((state, metrics))
-    (state1, metrics1), (state8, metrics8) = results[1], results[8]
-    for name in ("params", "corruption_params", "opt_state", "corruption_opt_state"):
-        for a, b in zip(jax.tree.leaves(getattr(state1, name)), jax.tree.leaves(getattr(state8, name))):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
-    for key in metrics1:
-        np.testing.assert_allclose(metrics1[key], metrics8[key], rtol=1e-4, atol=1e-6, err_msg=key)
+        results[n, k] = jax.device_get((state, metrics))
+    state1, metrics1 = results[1, 1]
+    for state8, metrics8 in (results[8, 1], results[8, 2]):
+        for name in ("params", "corruption_params", "opt_state", "corruption_opt_state"):
+            for a, b in zip(jax.tree.leaves(getattr(state1, name)), jax.tree.leaves(getattr(state8, name))):
+                np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
+        for key in metrics1:
+            np.testing.assert_allclose(metrics1[key], metrics8[key], rtol=1e-4, atol=1e-6, err_msg=key)
+    state8, metrics8 = results[8, 1]
     # Inside the sharded step every image still loses exactly the official count of patches.
     num_patches = (32 // model.patch_size) ** 2
     assert metrics8["occluded_fraction"] == rspc.num_occluded(num_patches, 0.1) / num_patches

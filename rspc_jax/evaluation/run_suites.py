@@ -35,8 +35,9 @@ def load_variables(config, model, *, workdir, checkpoint, step, ema):
     if ema and not state.get("ema_params"):
         raise ConfigError(f"{workdir} kept no EMA; evaluate without --ema")
     variables = dict(params=state["ema_params"] if ema else state["params"])
-    if state.get("batch_stats"):
-        variables["batch_stats"] = state["batch_stats"]
+    batch_stats = (ema and state.get("ema_batch_stats")) or state.get("batch_stats")
+    if batch_stats:
+        variables["batch_stats"] = batch_stats
     return (
         variables,
         state.get("corruption_params") or None,

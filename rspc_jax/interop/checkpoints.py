@@ -13,6 +13,7 @@ from absl import logging
 import flax
 from flax import traverse_util
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
@@ -247,15 +248,32 @@ class Checkpointer:
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
             )["state"]
         except (ValueError, KeyError, TypeError):
-            # A checkpoint written before the corruption model's fields were renamed.
+            # A checkpoint of an older layout: the corruption model's fields under their old
+            # names, or no EMA of the BatchNorm statistics (which then restarts from the
+            # live statistics, as a fresh run's does).
             fields = flax.serialization.to_state_dict(abstract)
+            saved = self._manager.item_metadata(step)["state"].keys()
             legacy = {_LEGACY_NAMES.get(name, name): value for name, value in fields.items()}
+            missing_ema = "ema_batch_stats" not in saved and jax.tree.leaves(
+                fields.get("ema_batch_stats", {})
+            )
+            if missing_ema:
+                del legacy["ema_batch_stats"]
             if legacy.keys() == fields.keys():
                 raise
-            state = self._manager.restore(
-                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(legacy))
-            )["state"]
-            return flax.serialization.from_state_dict(abstract, _current_names(state))
+            state = _current_names(
+                self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(legacy))
+                )["state"]
+            )
+            if missing_ema:
+                logging.warning(
+                    f"checkpoint {self.directory}/{step} has no EMA of the BatchNorm "
+                    "statistics (written before config.ema_batch_stats): it starts from the "
+                    "current statistics"
+                )
+                state["ema_batch_stats"] = jax.tree.map(jnp.copy, state["batch_stats"])
+            return flax.serialization.from_state_dict(abstract, state)
 
     def wait_until_finished(self) -> None:
         """Waits for the save in flight; raises CheckpointSaveError if it failed."""
@@ -310,8 +328,9 @@ def read_model_state(
         )
     expected = models.abstract_variables(model, image_size)
     trees = dict(params=state["params"], batch_stats=state.get("batch_stats") or {})
-    if state.get("ema_params"):
-        trees["ema_params"] = state["ema_params"]
+    for collection in ("ema_params", "ema_batch_stats"):
+        if state.get(collection):
+            trees[collection] = state[collection]
     for collection, tree in trees.items():
         _check_tree(
             tree,

@@ -54,7 +54,12 @@ def export(
     batch_stats = state.get("batch_stats") or {}
     raw = state_dicts.export_state_dict(dict(params=state["params"], batch_stats=batch_stats))
     averaged = (
-        state_dicts.export_state_dict(dict(params=state["ema_params"], batch_stats=batch_stats))
+        state_dicts.export_state_dict(
+            dict(
+                params=state["ema_params"],
+                batch_stats=state.get("ema_batch_stats") or batch_stats,
+            )
+        )
         if has_ema
         else None
     )

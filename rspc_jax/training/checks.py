@@ -82,6 +82,9 @@ _INTEGER_SUFFIXES = ("_steps", "_every_steps", "keep_checkpoints", "shuffle_buff
 RANGES = {
     "image_size": Range(_positive, "> 0", "the training and evaluation resolution in pixels"),
     "batch_size": Range(_positive, "> 0", "the global batch of all devices and hosts"),
+    "grad_accum_steps": Range(
+        _at_least_one, ">= 1", "micro-batches per optimizer step; 1 = no accumulation"
+    ),
     "eval_batch_size": Range(_positive, "> 0", "the global evaluation batch"),
     "num_epochs": Range(_positive, "> 0", "epochs to train (unless total_steps > 0)"),
     "total_steps": Range(_non_negative, ">= 0", "steps to train; 0 = num_epochs"),
@@ -181,6 +184,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
             f"config.optimizer.warmup_epochs={opt.warmup_epochs} plus cooldown_epochs="
             f"{opt.cooldown_epochs} leave no epoch of the {config.num_epochs} to train for the "
             "cosine schedule; shorten the warm-up or train longer."
+        )
+    if config.batch_size % config.grad_accum_steps:
+        raise ConfigError(
+            f"config.batch_size={config.batch_size} is not divisible by "
+            f"config.grad_accum_steps={config.grad_accum_steps}: each optimizer step splits "
+            "the global batch into that many equal micro-batches; use a divisor of the batch."
         )
     if config.rspc.enabled and config.adversarial.method != "none":
         raise ConfigError(

@@ -74,6 +74,13 @@ def get_default_config() -> ml_collections.ConfigDict:
         dict(mixup_alpha=0.0, cutmix_alpha=0.0, prob=1.0, switch_prob=0.5)
     )
     c.ema_decay = 0.0  # per-step decay of a classifier EMA; 0 = off
+    # The EMA also averages the BatchNorm statistics (timm's ModelEmaV2, which the official
+    # runs evaluate); False = EMA evaluation uses the live statistics (runs before this option).
+    c.ema_batch_stats = True
+    # Micro-batches per optimizer step: each device's batch is split into this many, their
+    # gradients summed in one compiled loop (memory of one micro-batch; batch_size stays the
+    # global batch the schedule and throughput count). BatchNorm sees each micro-batch.
+    c.grad_accum_steps = 1
 
     # RSPC (defaults = the official code; see rspc_jax/rspc.py).
     c.rspc = ml_collections.ConfigDict(

@@ -141,6 +141,9 @@ def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
         params=params,
         batch_stats=variables.get("batch_stats", {}),
         ema_params=jax.tree.map(jnp.copy, params) if state.ema_params else {},
+        ema_batch_stats=jax.tree.map(jnp.copy, variables.get("batch_stats", {}))
+        if state.ema_batch_stats
+        else {},
     )
 
 
@@ -239,11 +242,12 @@ def train_and_evaluate(
 
     def run_eval(step):
         results = {}
-        for name, params in (("eval", state.params), ("eval_ema", state.ema_params)):
+        for name, params, batch_stats in (
+            ("eval", state.params, state.batch_stats),
+            ("eval_ema", state.ema_params, state.ema_batch_stats or state.batch_stats),
+        ):
             if params:
-                results[name] = _clean_eval(
-                    eval_ctx, params, state.batch_stats, config.eval_fgsm_eps
-                )
+                results[name] = _clean_eval(eval_ctx, params, batch_stats, config.eval_fgsm_eps)
                 logger.write(step, results[name], name)
         if best is not None:
             best.update(step, state, results["eval"])

@@ -22,6 +22,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     (checks.validate_config), then what needs the devices or files."""
     checks.validate_config(config)
     parallel.check_batch_size(config.batch_size)
+    per_device = config.batch_size // jax.device_count()
+    if per_device % config.grad_accum_steps:
+        raise ConfigError(
+            f"config.grad_accum_steps={config.grad_accum_steps} does not divide the "
+            f"{per_device} images per device (global batch_size={config.batch_size} over "
+            f"{jax.device_count()} devices); every device splits its batch into equal "
+            "micro-batches, so pick a divisor of the per-device batch."
+        )
     parallel.check_batch_size(config.eval_batch_size, "eval_batch_size")
     try:
         train_data.check_augmentation(
@@ -109,6 +117,7 @@ def step_settings(
         adversarial=adversarial_training.resolve(config, steps_per_epoch),
         pixel_mean=tuple(spec.mean),
         pixel_std=tuple(spec.std),
+        grad_accum_steps=config.grad_accum_steps,
     )
 
 
@@ -143,7 +152,14 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     corruption_tx = rspc.corruption_optimizer(config.rspc.optimizer)
     init = jax.jit(
         lambda rng: train_step_lib.create_train_state(
-            rng, model, corruption_model, image_shape, tx, corruption_tx, ema=config.ema_decay > 0
+            rng,
+            model,
+            corruption_model,
+            image_shape,
+            tx,
+            corruption_tx,
+            ema=config.ema_decay > 0,
+            ema_batch_stats=config.ema_batch_stats,
         ),
         out_shardings=parallel.replicated(mesh),
     )

@@ -36,6 +36,9 @@ class TrainState:
     corruption_opt_state: Any
     ema_params: Any  # {} when EMA is off
     rng: jax.Array  # base key; the step key is fold_in(rng, step)
+    # EMA of the BatchNorm statistics ({} when EMA is off, config.ema_batch_stats is False or
+    # the model has no BatchNorm). Last, so that older checkpoints keep their field order.
+    ema_batch_stats: Any = flax.struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +67,18 @@ class StepSettings:
     adversarial: Any = None  # adversarial_training.Settings; None = off
     pixel_mean: Any = None  # the dataset's normalisation (adversarial training's pixel space)
     pixel_std: Any = None
+    grad_accum_steps: int = 1  # micro-batches per device batch, one optimizer update
 
 
 def create_train_state(
-    rng, model: nn.Module, corruption_model, image_shape, tx, corruption_tx, ema: bool
+    rng,
+    model: nn.Module,
+    corruption_model,
+    image_shape,
+    tx,
+    corruption_tx,
+    ema: bool,
+    ema_batch_stats: bool = True,
 ) -> TrainState:
     """Initialises every part of the state (jit it with replicated out_shardings)."""
     model_rng, corruption_rng, state_rng = jax.random.split(rng, 3)
@@ -90,6 +101,7 @@ def create_train_state(
         else {},
         ema_params=jax.tree.map(jnp.copy, params) if ema else {},
         rng=state_rng,
+        ema_batch_stats=jax.tree.map(jnp.copy, batch_stats) if ema and ema_batch_stats else {},
     )
 
 
@@ -113,6 +125,11 @@ def step_keys(state: TrainState):
     return jax.random.split(jax.random.fold_in(state.rng, state.step), 4)
 
 
+def _micro_batches(tree, count: int):
+    """Splits the leading (example) axis of every leaf into `count` consecutive slices."""
+    return jax.tree.map(lambda x: x.reshape((count, x.shape[0] // count) + x.shape[1:]), tree)
+
+
 def _per_device_train_step(
     state: TrainState,
     batch,
@@ -128,148 +145,197 @@ def _per_device_train_step(
     images, labels = batch["image"], batch["label"]
     local_batch = images.shape[0]
     noise_rng, dropout_rng, mix_rng, select_rng = step_keys(state)
+    # Mixup/CutMix pairs are drawn over the device's whole batch, before it is split.
     images, targets = _targets(settings, jax.random.fold_in(mix_rng, device), images, labels)
-    rngs = {"dropout": jax.random.fold_in(dropout_rng, device)}
+    dropout_rng = jax.random.fold_in(dropout_rng, device)
     vary = functools.partial(jax.lax.pcast, axis_name=DATA_AXIS, to="varying")
     # Each device differentiates its share of the *global* mean loss and the gradients
     # are summed, so the gradient reaching the STE clip is that of the global-batch loss
-    # and the step does not depend on how many devices share the batch.
-    share = 1.0 / jax.lax.psum(1, DATA_AXIS)
+    # and the step does not depend on how many devices (or micro-batches) share the batch.
+    accum = settings.grad_accum_steps
+    share = 1.0 / (jax.lax.psum(1, DATA_AXIS) * accum)
     # Folded from the step key rather than split off it, so that adding this stream left
     # the other keys (and every earlier run) unchanged.
     aug_noise_rng, aug_rng = jax.random.split(
         jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
     )
-
+    aug_rng = jax.random.fold_in(aug_rng, device)
+    # Noise, random masks and adversarial starts are keyed by the example's global index,
+    # so they do not depend on how the batch is split over devices and micro-batches.
     example_ids = device * local_batch + jnp.arange(local_batch)
-    if settings.rspc_enabled:
 
-        def noise_of(rng):
-            if settings.fill != "noise":  # zeros; 'drop' never shows the filled image
-                return jnp.zeros_like(images)
-            uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
-            return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+    def grads_of(batch_stats, micro, micro_index):
+        """(gradients, new BatchNorm statistics, metrics) of one micro-batch."""
+        images, targets, example_ids = micro["image"], micro["target"], micro["id"]
+        micro_batch = images.shape[0]
+        rngs = {"dropout": dropout_rng}
+        aug_device_rng = aug_rng
+        if accum > 1:
+            rngs = {"dropout": jax.random.fold_in(dropout_rng, micro_index)}
+            aug_device_rng = jax.random.fold_in(aug_rng, micro_index)
+        if settings.rspc_enabled:
 
-        num_patches = (images.shape[1] // corruption_model.patch_size) * (
-            images.shape[2] // corruption_model.patch_size
-        )
-        random_scores = None
-        if settings.random_selection:
-            random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
-        probe = vary(jnp.zeros((local_batch, num_patches), jnp.float32))
-        rspc_loss = functools.partial(
-            rspc.rspc_loss,
-            model=model,
-            corruption_model=corruption_model,
-            rho=settings.rho,
-            lam=settings.lam,
-            ste_clip=settings.ste_clip,
-            grad_scale=settings.corruption_grad_scale,
-            lower=settings.clamp_lower,
-            upper=settings.clamp_upper,
-            align_blocks=settings.align_blocks,
-            random_scores=random_scores,
-            compute_dtype=settings.compute_dtype,
-            objective=settings.rspc_objective,
-            drop_tokens=settings.fill == "drop",
-        )
+            def noise_of(rng):
+                if settings.fill != "noise":  # zeros; 'drop' never shows the filled image
+                    return jnp.zeros_like(images)
+                uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
+                return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(
+                    settings.noise_std
+                )
 
-        def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
-            return rspc_loss(
-                params,
-                corruption_params,
-                batch_stats,
-                images,
-                targets,
-                noise_of(noise_rng),
-                rngs=rngs,
-                mask_probe=probe,
+            num_patches = (images.shape[1] // corruption_model.patch_size) * (
+                images.shape[2] // corruption_model.patch_size
             )
-
-        args = (vary(state.params), vary(state.corruption_params), probe)
-    elif settings.adversarial is not None:
-
-        def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
-            return adversarial_training.adversarial_loss(
-                params,
-                batch_stats,
-                images,
-                targets,
-                noise_rng,
-                example_ids,
-                state.step,
+            random_scores = None
+            if settings.random_selection:
+                random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
+            probe = vary(jnp.zeros((micro_batch, num_patches), jnp.float32))
+            rspc_loss = functools.partial(
+                rspc.rspc_loss,
                 model=model,
-                settings=settings.adversarial,
-                mean=settings.pixel_mean,
-                std=settings.pixel_std,
-                rngs=rngs,
+                corruption_model=corruption_model,
+                rho=settings.rho,
+                lam=settings.lam,
+                ste_clip=settings.ste_clip,
+                grad_scale=settings.corruption_grad_scale,
+                lower=settings.clamp_lower,
+                upper=settings.clamp_upper,
+                align_blocks=settings.align_blocks,
+                random_scores=random_scores,
                 compute_dtype=settings.compute_dtype,
+                objective=settings.rspc_objective,
+                drop_tokens=settings.fill == "drop",
             )
 
-        args = (vary(state.params), {}, None)
+            def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
+                return rspc_loss(
+                    params,
+                    corruption_params,
+                    batch_stats,
+                    images,
+                    targets,
+                    noise_of(noise_rng),
+                    rngs=rngs,
+                    mask_probe=probe,
+                )
+
+            args = (vary(state.params), vary(state.corruption_params), probe)
+        elif settings.adversarial is not None:
+
+            def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
+                return adversarial_training.adversarial_loss(
+                    params,
+                    batch_stats,
+                    images,
+                    targets,
+                    noise_rng,
+                    example_ids,
+                    state.step,
+                    model=model,
+                    settings=settings.adversarial,
+                    mean=settings.pixel_mean,
+                    std=settings.pixel_std,
+                    rngs=rngs,
+                    compute_dtype=settings.compute_dtype,
+                )
+
+            args = (vary(state.params), {}, None)
+        else:
+
+            def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
+                return rspc.plain_loss(
+                    params,
+                    batch_stats,
+                    images,
+                    targets,
+                    model=model,
+                    rngs=rngs,
+                    compute_dtype=settings.compute_dtype,
+                )
+
+            args = (vary(state.params), {}, None)
+
+        def objective(params, corruption_params, probe):
+            stats, aug_loss = batch_stats, 0.0
+            if settings.patch_aug != "off":
+                # RSPC_RVT first runs the whole step on the patch-augmented batch (own mask
+                # and noise), then on the clean one; its gradients are zeroed before the
+                # update ('official': only the BatchNorm statistics keep it) or, as
+                # intended, added.
+                aug_images = patch_aug.patch_augment(
+                    aug_device_rng,
+                    images,
+                    model.patch_size,
+                    settings.clamp_lower,
+                    settings.clamp_upper,
+                )
+                aug_args = (params, corruption_params)
+                if settings.patch_aug == "official":
+                    aug_args = jax.lax.stop_gradient(aug_args)
+                aug_total, aug_aux = loss_of(
+                    *aug_args,
+                    stats,
+                    aug_images,
+                    aug_noise_rng,
+                    {"dropout": jax.random.fold_in(aug_device_rng, 1)},
+                    None,
+                )
+                stats = aug_aux["batch_stats"]
+                if settings.patch_aug == "intended":
+                    aug_loss = aug_total
+            loss, aux = loss_of(params, corruption_params, stats, images, noise_rng, rngs, probe)
+            return (loss + aug_loss) * share, (loss, aux)
+
+        argnums = (0, 1, 2) if settings.rspc_enabled else 0
+        (_, (loss, aux)), all_grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(
+            *args
+        )
+        grads = all_grads if settings.rspc_enabled else (all_grads, {}, None)
+        metrics = dict(
+            loss=loss,
+            ce=aux["ce"],
+            train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)),
+        )
+        metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
+        if settings.rspc_enabled:
+            # The objective C ascends besides CE: L_align, or CE on the occluded images.
+            metrics.update({k: aux[k] for k in ("align", "occluded_ce") if k in aux})
+            probe_grad = grads[2]
+            saturated = jnp.abs(probe_grad * settings.corruption_grad_scale) >= (
+                settings.ste_clip or jnp.inf
+            )
+            metrics.update(
+                occluded_fraction=1.0 - jnp.mean(aux["keep"]),
+                ste_saturated_fraction=jnp.mean(saturated),
+            )
+        return grads[:2], aux["batch_stats"], metrics
+
+    device_batch = dict(image=images, target=targets, id=example_ids)
+    if accum == 1:
+        (grads, corruption_grads), batch_stats, metrics = grads_of(
+            state.batch_stats, device_batch, 0
+        )
     else:
+        # One compiled loop over the micro-batches: gradients are summed, BatchNorm
+        # statistics are those of each micro-batch (the running averages see each in turn),
+        # and every metric is the mean over micro-batches (each of equal size).
+        def accumulate(carry, micro):
+            grad_sums, batch_stats = carry
+            grads, batch_stats, metrics = grads_of(batch_stats, micro["batch"], micro["index"])
+            return (jax.tree.map(jnp.add, grad_sums, grads), batch_stats), metrics
 
-        def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
-            return rspc.plain_loss(
-                params,
-                batch_stats,
-                images,
-                targets,
-                model=model,
-                rngs=rngs,
-                compute_dtype=settings.compute_dtype,
-            )
-
-        args = (vary(state.params), {}, None)
-
-    def objective(params, corruption_params, probe):
-        batch_stats, aug_loss = state.batch_stats, 0.0
-        if settings.patch_aug != "off":
-            # RSPC_RVT first runs the whole step on the patch-augmented batch (own mask and
-            # noise), then on the clean one; its gradients are zeroed before the update
-            # ('official': only the BatchNorm statistics keep it) or, as intended, added.
-            device_rng = jax.random.fold_in(aug_rng, device)
-            aug_images = patch_aug.patch_augment(
-                device_rng, images, model.patch_size, settings.clamp_lower, settings.clamp_upper
-            )
-            aug_args = (params, corruption_params)
-            if settings.patch_aug == "official":
-                aug_args = jax.lax.stop_gradient(aug_args)
-            aug_total, aug_aux = loss_of(
-                *aug_args,
-                batch_stats,
-                aug_images,
-                aug_noise_rng,
-                {"dropout": jax.random.fold_in(device_rng, 1)},
-                None,
-            )
-            batch_stats = aug_aux["batch_stats"]
-            if settings.patch_aug == "intended":
-                aug_loss = aug_total
-        loss, aux = loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe)
-        return (loss + aug_loss) * share, (loss, aux)
-
-    argnums = (0, 1, 2) if settings.rspc_enabled else 0
-    (_, (loss, aux)), all_grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(
-        *args
-    )
-    if settings.rspc_enabled:
-        grads, corruption_grads, probe_grad = all_grads
-    else:
-        grads = all_grads
+        zeros = vary(jax.tree.map(jnp.zeros_like, (state.params, state.corruption_params)))
+        micro_batches = dict(batch=_micro_batches(device_batch, accum), index=jnp.arange(accum))
+        ((grads, corruption_grads), batch_stats), metrics = jax.lax.scan(
+            accumulate, (zeros, vary(state.batch_stats)), micro_batches
+        )
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
     grads = jax.lax.psum(grads, DATA_AXIS)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(
-        loss=loss,
-        ce=aux["ce"],
-        lr=schedule(state.step),
-        grad_norm=optax.tree.norm(grads),
-        train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)),
-    )
+    metrics.update(lr=schedule(state.step), grad_norm=optax.tree.norm(grads))
 
-    metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
     corruption_params, corruption_opt_state = state.corruption_params, state.corruption_opt_state
     if settings.rspc_enabled:
         corruption_grads = jax.lax.psum(corruption_grads, DATA_AXIS)
@@ -277,38 +343,37 @@ def _per_device_train_step(
             corruption_grads, corruption_opt_state, corruption_params
         )
         corruption_params = optax.apply_updates(corruption_params, corruption_updates)
-        saturated = jnp.abs(probe_grad * settings.corruption_grad_scale) >= (
-            settings.ste_clip or jnp.inf
-        )
-        # The objective C ascends besides CE: L_align, or CE on the occluded images (ablation).
-        metrics.update({k: aux[k] for k in ("align", "occluded_ce") if k in aux})
-        metrics.update(
-            corruption_grad_norm=optax.tree.norm(corruption_grads),
-            occluded_fraction=1.0 - jnp.mean(aux["keep"]),
-            ste_saturated_fraction=jnp.mean(saturated),
-        )
+        metrics.update(corruption_grad_norm=optax.tree.norm(corruption_grads))
 
-    ema_params = state.ema_params
+    # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
+    batch_stats = jax.lax.pmean(batch_stats, DATA_AXIS)
+    ema_params, ema_batch_stats = state.ema_params, state.ema_batch_stats
     if settings.ema_decay > 0:
-        ema_params = jax.tree.map(
-            lambda e, p: settings.ema_decay * e + (1.0 - settings.ema_decay) * p, ema_params, params
-        )
+        # timm's ModelEmaV2: every parameter and (with ema_batch_stats) every buffer.
+        def average(ema, new):
+            return jax.tree.map(
+                lambda e, p: settings.ema_decay * e + (1.0 - settings.ema_decay) * p, ema, new
+            )
+
+        ema_params = average(ema_params, params)
+        if ema_batch_stats:
+            ema_batch_stats = average(ema_batch_stats, batch_stats)
     new_state = state.replace(
         step=state.step + 1,
         params=params,
         opt_state=opt_state,
-        # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
-        batch_stats=jax.lax.pmean(aux["batch_stats"], DATA_AXIS),
+        batch_stats=batch_stats,
         corruption_params=corruption_params,
         corruption_opt_state=corruption_opt_state,
         ema_params=ema_params,
+        ema_batch_stats=ema_batch_stats,
     )
     # Flags a step whose loss, gradients or results are not finite; the loop checks the flags
     # of every step before it saves or evaluates anything and stops at the first one, so no
     # checkpoint holds what such a step produced. (The loss alone is not enough: step k's loss
     # comes from step k-1's parameters, and an overflowing update shows only one step later.)
     finite = _all_finite(
-        jax.lax.psum(loss, DATA_AXIS),
+        jax.lax.psum(metrics["loss"], DATA_AXIS),
         metrics["grad_norm"],
         metrics.get("corruption_grad_norm", 0.0),
         new_state.params,
