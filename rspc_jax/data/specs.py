@@ -40,6 +40,9 @@ class DatasetSpec:
     mean: tuple  # per-channel normalisation mean (RGB, [0,1] pixel scale)
     std: tuple
     manual_download: bool
+    # Pixel value of an empty background ([0, 1]), where the images have one: the corruption
+    # model's selection statistics then report how many chosen patches hold the object.
+    background: float | None = None
 
 
 # Digits: grey pixel mean/std of the 1500 training images after the builder's
@@ -54,6 +57,7 @@ _SPECS = {
         mean=(0.3052,) * 3,
         std=(0.3749,) * 3,
         manual_download=False,
+        background=0.0,
     ),
     "cifar10": DatasetSpec(
         name="cifar10",

@@ -71,6 +71,17 @@ def _rows(name: str, result: dict) -> list[tuple[str, str]]:
             rows.append(
                 ("trained corruption model's mask (%)", _pct(result["learned_mask_accuracy"]))
             )
+            chosen = result["selection"]
+            rows += [
+                ("C: distinct masks", f"{chosen['distinct_masks']} of {result['num_examples']}"),
+                (
+                    "C: selection entropy (1 = uniform, 0 = one mask)",
+                    f"{chosen['selection_entropy']:.3f}",
+                ),
+                ("C: mean mask IoU of two images", f"{chosen['mask_iou']:.3f}"),
+            ]
+            if "on_object" in chosen:
+                rows.append(("C: selected patches on the object (%)", _pct(chosen["on_object"])))
         return rows + [
             ("occluded patches", f"{result['occluded_patches']} of {result['num_patches']}"),
             ("masks per image", str(result["masks_per_image"])),

@@ -11,7 +11,7 @@ import numpy as np
 
 from rspc_jax import ConfigError, rspc
 from rspc_jax.data import eval as data
-from rspc_jax.evaluation import attacks, autoattack, occlusion, protocols
+from rspc_jax.evaluation import attacks, autoattack, occlusion, protocols, selection
 from rspc_jax.evaluation import loop as runner
 from rspc_jax.evaluation.loop import Context, SuiteSkipped, run_pass, sharded
 
@@ -147,6 +147,12 @@ def patch_occlusion(ctx: Context) -> dict:
             out["learned"] = runner.correct(
                 ctx.logits(variables, ctx.occlude(images, keep, rng)), labels
             )
+            out["learned_occluded"] = (keep == 0).astype(jnp.int8)
+            if ctx.spec.background is not None:
+                pixels = images * jnp.asarray(ctx.spec.std) + jnp.asarray(ctx.spec.mean)
+                out["on_object"] = selection.object_patches(
+                    pixels, ctx.patch_size, ctx.spec.background
+                ).astype(jnp.int8)
         return out
 
     out = run_pass(
@@ -165,8 +171,25 @@ def patch_occlusion(ctx: Context) -> dict:
     )
     if learned:
         result["learned_mask_accuracy"] = float(out["learned"].mean())
+        result["selection"] = _selection_statistics(out["learned_occluded"], out.get("on_object"))
         result["figures"] = dict(learned_masks=_learned_mask_examples(ctx))
     return result
+
+
+def _selection_statistics(occluded: np.ndarray, on_object=None, pairs_of: int = 1024) -> dict:
+    """evaluation/selection.py's numbers over the eval set: distinct masks counted exactly,
+    the mask IoU over the first `pairs_of` images (it compares every pair)."""
+    stats = jax.device_get(selection.statistics(jnp.asarray(occluded[:pairs_of])))
+    stats = dict(
+        distinct_masks=int(np.unique(occluded, axis=0).shape[0]),
+        selection_entropy=float(selection.selection_entropy(jnp.asarray(occluded))),
+        mask_iou=float(stats["mask_iou"]),
+        mask_iou_images=int(min(len(occluded), pairs_of)),
+        position_frequency=[float(f) for f in occluded.mean(axis=0)],
+    )
+    if on_object is not None:
+        stats["on_object"] = float((occluded * on_object).sum() / max(occluded.sum(), 1))
+    return stats
 
 
 def _distribution(values: np.ndarray) -> dict:

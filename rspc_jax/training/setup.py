@@ -118,6 +118,7 @@ def step_settings(
         pixel_mean=tuple(spec.mean),
         pixel_std=tuple(spec.std),
         grad_accum_steps=config.grad_accum_steps,
+        background=spec.background,
     )
 
 

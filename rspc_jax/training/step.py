@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import optax
 
 from rspc_jax import rspc
+from rspc_jax.evaluation import selection
 from rspc_jax.parallel import DATA_AXIS
 from rspc_jax.training import adversarial as adversarial_training
 from rspc_jax.training import mixup, patch_aug
@@ -68,6 +69,7 @@ class StepSettings:
     pixel_mean: Any = None  # the dataset's normalisation (adversarial training's pixel space)
     pixel_std: Any = None
     grad_accum_steps: int = 1  # micro-batches per device batch, one optimizer update
+    background: Any = None  # the dataset's empty-background pixel value, if it has one
 
 
 def create_train_state(
@@ -308,6 +310,18 @@ def _per_device_train_step(
                 occluded_fraction=1.0 - jnp.mean(aux["keep"]),
                 ste_saturated_fraction=jnp.mean(saturated),
             )
+            # How C selects (evaluation/selection.py), and the weight of its objective in
+            # the classifier's loss.
+            on_object = None
+            if settings.background is not None:
+                pixels = images * jnp.asarray(settings.pixel_std) + jnp.asarray(settings.pixel_mean)
+                on_object = selection.object_patches(
+                    pixels, corruption_model.patch_size, settings.background
+                )
+            stats = selection.statistics(1 - aux["keep"], on_object)
+            metrics.update({f"selection_{name}": value for name, value in stats.items()})
+            if "align" in aux:
+                metrics["weighted_align_to_ce"] = settings.lam * aux["align"] / aux["ce"]
         return grads[:2], aux["batch_stats"], metrics
 
     device_batch = dict(image=images, target=targets, id=example_ids)
