@@ -161,6 +161,7 @@ def _compile_counter():
             "config.init_from: checkpoint /nonexistent/rvt.pth.tar does not exist",
         ),
         ({"init_head": "resize"}, ValueError, "config.init_head='resize' is not one of"),
+        ({"sharding": "zero3"}, ValueError, "config.sharding='zero3' is not one of 'replicated'"),
     ],
 )
 def test_bad_input_fails_before_any_compile(digits_data_dir, tmp_path, overrides, error, match):

@@ -29,6 +29,7 @@ CHOICES = {
     "block_each_step": ("auto", "yes", "no"),
     "transfer_guard": ("allow", "log", "disallow"),
     "compute_dtype": ("float32", "bfloat16"),
+    "sharding": ("replicated", "fsdp"),
     "patch_aug": ("off", "official", "intended"),
     "init_head": ("load", "reset"),
     "keep_best": ("", "accuracy", "fgsm_accuracy"),

@@ -27,6 +27,9 @@ def get_default_config() -> ml_collections.ConfigDict:
     # and run ViT/DeiT blocks as one scan (compile time).
     c.remat = False
     c.scan_blocks = False
+    # 'fsdp' shards the classifier's params, optimizer state and EMA over the devices
+    # (ZeRO-3; docs/speed.md, "Memory and speed options"); 'replicated' keeps a copy on each.
+    c.sharding = "replicated"
 
     # Data (tfds builder names; TFDS_DATA_DIR or `data_dir` says where prepared data lives).
     c.dataset = "sklearn_digits"

@@ -122,7 +122,10 @@ def _clean_eval(ctx, params, batch_stats, fgsm_eps: float) -> dict:
 def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
     """Replaces the classifier's initial params and BatchNorm statistics (and the EMA) by
     those of `config.init_from`; optimizer states start fresh."""
-    fresh = jax.device_get(dict(params=state.params, batch_stats=state.batch_stats))
+    current = dict(params=state.params, batch_stats=state.batch_stats)
+    # Whole arrays on every host (FSDP shards too); the loaded ones go back into the state's
+    # own layout.
+    fresh = jax.device_get(jax.device_put(current, parallel.replicated(mesh)))
     variables = interop.load_checkpoint(
         config.init_from,
         fresh,
@@ -130,7 +133,10 @@ def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
         reset_head=config.init_head == "reset",
         resize=config.init_resize,
     )
-    variables = jax.device_put(variables, parallel.replicated(mesh))
+    variables = {
+        k: jax.device_put(v, jax.tree.map(lambda x: x.sharding, current[k]))
+        for k, v in variables.items()
+    }
     params = variables["params"]
     logging.info(
         f"Initialised from {config.init_from}"
@@ -247,6 +253,8 @@ def train_and_evaluate(
             ("eval_ema", state.ema_params, state.ema_batch_stats or state.batch_stats),
         ):
             if params:
+                # Whole parameters once per evaluation, not per batch (FSDP shards them).
+                params = jax.device_put(params, parallel.replicated(mesh))
                 results[name] = _clean_eval(eval_ctx, params, batch_stats, config.eval_fgsm_eps)
                 logger.write(step, results[name], name)
         if best is not None:

@@ -2,10 +2,12 @@
 step's static settings, the optimizers and the jitted sharded train step."""
 
 from collections.abc import Callable
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import ml_collections
 import tensorflow as tf
 
@@ -127,8 +129,24 @@ def compute_dtype(config):
     return None if config.compute_dtype == "float32" else jnp.dtype(config.compute_dtype)
 
 
+def state_specs(state: train_step_lib.TrainState, sharding: str, num_devices: int):
+    """The PartitionSpecs of the train state (arrays or ShapeDtypeStructs) under
+    `config.sharding`: 'replicated' everywhere, or 'fsdp' shards of the classifier's params,
+    optimizer state and EMA (ZeRO-3); the small corruption model, the BatchNorm statistics,
+    the step and the key stay replicated."""
+    specs = jax.tree.map(lambda _: P(), state)
+    if sharding == "replicated":
+        return specs
+    shard = functools.partial(parallel.fsdp_specs, num_devices=num_devices)
+    return specs.replace(
+        params=shard(state.params),
+        opt_state=shard(state.opt_state),
+        ema_params=shard(state.ema_params),
+    )
+
+
 class Parts(NamedTuple):
-    init: Callable  # rng -> replicated TrainState
+    init: Callable  # rng -> TrainState, laid out as `config.sharding` says
     train_step: Callable  # (state, global batch) -> (state, metrics)
 
 
@@ -151,21 +169,22 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     abstract_params = models.abstract_variables(model, config.image_size)["params"]
     tx = optim.classifier_optimizer(opt, schedule, abstract_params, model.no_weight_decay_names)
     corruption_tx = rspc.corruption_optimizer(config.rspc.optimizer)
-    init = jax.jit(
-        lambda rng: train_step_lib.create_train_state(
-            rng,
-            model,
-            corruption_model,
-            image_shape,
-            tx,
-            corruption_tx,
-            ema=config.ema_decay > 0,
-            ema_batch_stats=config.ema_batch_stats,
-        ),
-        out_shardings=parallel.replicated(mesh),
+    create = functools.partial(
+        train_step_lib.create_train_state,
+        model=model,
+        corruption_model=corruption_model,
+        image_shape=image_shape,
+        tx=tx,
+        corruption_tx=corruption_tx,
+        ema=config.ema_decay > 0,
+        ema_batch_stats=config.ema_batch_stats,
     )
+    specs = state_specs(jax.eval_shape(create, jax.random.PRNGKey(0)), config.sharding, mesh.size)
+    # A fresh state is created in its layout, and a checkpoint restores into it.
+    init = jax.jit(create, out_shardings=parallel.shardings(mesh, specs))
     train_step = train_step_lib.make_train_step(
         mesh,
+        specs,
         model=model,
         corruption_model=corruption_model,
         tx=tx,

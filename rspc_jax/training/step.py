@@ -4,7 +4,10 @@ Steps are written per device (`jax.shard_map`) with explicit collectives. Replic
 parameters are `pcast` to device-varying before differentiation: under shard_map's
 default `check_vma=True` the gradient of an invariant input would otherwise come out
 already summed over devices implicitly; we sum it explicitly instead (`psum` of each
-device's share of the global-mean loss).
+device's share of the global-mean loss). Under FSDP (`config.sharding='fsdp'`) the big
+classifier arrays (params, Adam moments, EMA) are held as shards: the step all-gathers the
+parameters whole for the forward/backward, reduce-scatters their gradients onto the shards
+and updates the shards.
 """
 
 from collections.abc import Callable
@@ -22,7 +25,7 @@ import optax
 
 from rspc_jax import rspc
 from rspc_jax.evaluation import selection
-from rspc_jax.parallel import DATA_AXIS
+from rspc_jax.parallel import DATA_AXIS, sharded_axis
 from rspc_jax.training import adversarial as adversarial_training
 from rspc_jax.training import mixup, patch_aug
 
@@ -142,6 +145,7 @@ def _per_device_train_step(
     corruption_tx,
     schedule: Callable,
     settings: StepSettings,
+    param_specs: Any,
 ):
     device = jax.lax.axis_index(DATA_AXIS)
     images, labels = batch["image"], batch["label"]
@@ -165,6 +169,8 @@ def _per_device_train_step(
     # Noise, random masks and adversarial starts are keyed by the example's global index,
     # so they do not depend on how the batch is split over devices and micro-batches.
     example_ids = device * local_batch + jnp.arange(local_batch)
+    # Whole, device-varying parameters, gathered once for all micro-batches.
+    whole_params = _gather(state.params, param_specs)
 
     def grads_of(batch_stats, micro, micro_index):
         """(gradients, new BatchNorm statistics, metrics) of one micro-batch."""
@@ -221,7 +227,7 @@ def _per_device_train_step(
                     mask_probe=probe,
                 )
 
-            args = (vary(state.params), vary(state.corruption_params), probe)
+            args = (whole_params, vary(state.corruption_params), probe)
         elif settings.adversarial is not None:
 
             def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
@@ -241,7 +247,7 @@ def _per_device_train_step(
                     compute_dtype=settings.compute_dtype,
                 )
 
-            args = (vary(state.params), {}, None)
+            args = (whole_params, {}, None)
         else:
 
             def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
@@ -255,7 +261,7 @@ def _per_device_train_step(
                     compute_dtype=settings.compute_dtype,
                 )
 
-            args = (vary(state.params), {}, None)
+            args = (whole_params, {}, None)
 
         def objective(params, corruption_params, probe):
             stats, aug_loss = batch_stats, 0.0
@@ -299,6 +305,7 @@ def _per_device_train_step(
             train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)),
         )
         metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
+        chosen = {}
         if settings.rspc_enabled:
             # The objective C ascends besides CE: L_align, or CE on the occluded images.
             metrics.update({k: aux[k] for k in ("align", "occluded_ce") if k in aux})
@@ -310,23 +317,21 @@ def _per_device_train_step(
                 occluded_fraction=1.0 - jnp.mean(aux["keep"]),
                 ste_saturated_fraction=jnp.mean(saturated),
             )
-            # How C selects (evaluation/selection.py), and the weight of its objective in
-            # the classifier's loss.
-            on_object = None
+            # C's masks, for the statistics of its selection over the global batch; and the
+            # weight of its objective in the classifier's loss.
+            chosen["occluded"] = (1 - aux["keep"]).astype(jnp.int8)
             if settings.background is not None:
                 pixels = images * jnp.asarray(settings.pixel_std) + jnp.asarray(settings.pixel_mean)
-                on_object = selection.object_patches(
+                chosen["on_object"] = selection.object_patches(
                     pixels, corruption_model.patch_size, settings.background
                 )
-            stats = selection.statistics(1 - aux["keep"], on_object)
-            metrics.update({f"selection_{name}": value for name, value in stats.items()})
             if "align" in aux:
                 metrics["weighted_align_to_ce"] = settings.lam * aux["align"] / aux["ce"]
-        return grads[:2], aux["batch_stats"], metrics
+        return grads[:2], aux["batch_stats"], metrics, chosen
 
     device_batch = dict(image=images, target=targets, id=example_ids)
     if accum == 1:
-        (grads, corruption_grads), batch_stats, metrics = grads_of(
+        (grads, corruption_grads), batch_stats, metrics, chosen = grads_of(
             state.batch_stats, device_batch, 0
         )
     else:
@@ -335,20 +340,23 @@ def _per_device_train_step(
         # and every metric is the mean over micro-batches (each of equal size).
         def accumulate(carry, micro):
             grad_sums, batch_stats = carry
-            grads, batch_stats, metrics = grads_of(batch_stats, micro["batch"], micro["index"])
-            return (jax.tree.map(jnp.add, grad_sums, grads), batch_stats), metrics
+            grads, batch_stats, metrics, chosen = grads_of(
+                batch_stats, micro["batch"], micro["index"]
+            )
+            return (jax.tree.map(jnp.add, grad_sums, grads), batch_stats), (metrics, chosen)
 
-        zeros = vary(jax.tree.map(jnp.zeros_like, (state.params, state.corruption_params)))
+        zeros = jax.tree.map(jnp.zeros_like, (whole_params, vary(state.corruption_params)))
         micro_batches = dict(batch=_micro_batches(device_batch, accum), index=jnp.arange(accum))
-        ((grads, corruption_grads), batch_stats), metrics = jax.lax.scan(
+        ((grads, corruption_grads), batch_stats), (metrics, chosen) = jax.lax.scan(
             accumulate, (zeros, vary(state.batch_stats)), micro_batches
         )
         metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        chosen = jax.tree.map(lambda c: c.reshape((local_batch,) + c.shape[2:]), chosen)
 
-    grads = jax.lax.psum(grads, DATA_AXIS)
+    grads = _sum_over_devices(grads, param_specs)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics.update(lr=schedule(state.step), grad_norm=optax.tree.norm(grads))
+    metrics.update(lr=schedule(state.step), grad_norm=_global_norm(grads, param_specs))
 
     corruption_params, corruption_opt_state = state.corruption_params, state.corruption_opt_state
     if settings.rspc_enabled:
@@ -386,14 +394,21 @@ def _per_device_train_step(
     # of every step before it saves or evaluates anything and stops at the first one, so no
     # checkpoint holds what such a step produced. (The loss alone is not enough: step k's loss
     # comes from step k-1's parameters, and an overflowing update shows only one step later.)
+    replicated_params, param_shards = _partition(new_state.params, param_specs)
     finite = _all_finite(
         jax.lax.psum(metrics["loss"], DATA_AXIS),
         metrics["grad_norm"],
         metrics.get("corruption_grad_norm", 0.0),
-        new_state.params,
+        replicated_params,
         new_state.corruption_params,
         new_state.batch_stats,
     )
+    if param_shards:  # each device checks its own shards; the flag must be global
+        finite &= jax.lax.pmin(_all_finite(param_shards), DATA_AXIS)
+    if chosen:  # over the global batch, however it is split
+        chosen = jax.lax.all_gather(chosen, DATA_AXIS, tiled=True)
+        stats = selection.statistics(chosen["occluded"], chosen.get("on_object"))
+        metrics.update({f"selection_{name}": value for name, value in stats.items()})
     metrics = jax.lax.pmean(metrics, DATA_AXIS)
     metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
     return new_state, metrics
@@ -405,8 +420,59 @@ def _all_finite(*trees) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
 
 
-def make_train_step(mesh: Mesh, **kwargs):
-    """jit(shard_map(step)): state replicated, batch split over the data axis; state donated."""
-    step = functools.partial(_per_device_train_step, **kwargs)
-    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=(P(), P()))
+def _gather(params, specs):
+    """Whole device-varying parameters (see the module docstring): FSDP shards are
+    all-gathered, replicated arrays pcast."""
+
+    def whole(x, spec):
+        axis = sharded_axis(spec)
+        if axis is None:
+            return jax.lax.pcast(x, DATA_AXIS, to="varying")
+        return jax.lax.all_gather(x, DATA_AXIS, axis=axis, tiled=True)
+
+    return jax.tree.map(whole, params, specs)
+
+
+def _sum_over_devices(grads, specs):
+    """The devices' gradients summed: whole (psum) for replicated parameters, only this
+    device's shard (psum_scatter) for FSDP-sharded ones."""
+    replicated, _ = _partition(grads, specs)
+    summed = iter(jax.lax.psum(replicated, DATA_AXIS))  # one psum, as without FSDP
+
+    def total(g, spec):
+        axis = sharded_axis(spec)
+        if axis is None:
+            return next(summed)  # tree.map visits the leaves in _partition's order
+        return jax.lax.psum_scatter(g, DATA_AXIS, scatter_dimension=axis, tiled=True)
+
+    return jax.tree.map(total, grads, specs)
+
+
+def _partition(tree, specs) -> tuple[list, list]:
+    """(replicated arrays, FSDP shards) of a params-like tree."""
+    leaves, treedef = jax.tree.flatten(tree)
+    axes = [sharded_axis(spec) for spec in treedef.flatten_up_to(specs)]
+    return (
+        [x for x, axis in zip(leaves, axes) if axis is None],
+        [x for x, axis in zip(leaves, axes) if axis is not None],
+    )
+
+
+def _global_norm(grads, specs) -> jax.Array:
+    """The L2 norm of the whole gradient, of which each device holds the FSDP shards'
+    parts: their squares are summed over devices, the replicated arrays' counted once."""
+    replicated, shards = _partition(grads, specs)
+    if not shards:
+        return optax.tree.norm(grads)
+    squares = optax.tree.norm(replicated, squared=True)
+    return jnp.sqrt(squares + jax.lax.psum(optax.tree.norm(shards, squared=True), DATA_AXIS))
+
+
+def make_train_step(mesh: Mesh, state_specs: TrainState, **kwargs):
+    """jit(shard_map(step)): the state laid out by `state_specs` (PartitionSpecs: replicated,
+    or FSDP shards), the batch split over the data axis; the state is donated."""
+    step = functools.partial(_per_device_train_step, param_specs=state_specs.params, **kwargs)
+    sharded = jax.shard_map(
+        step, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=(state_specs, P())
+    )
     return jax.jit(sharded, donate_argnums=0)
