@@ -15,6 +15,7 @@ import functools
 import math
 from typing import NamedTuple
 
+from absl import logging
 import jax
 from jax.sharding import Mesh
 import numpy as np
@@ -164,19 +165,20 @@ def plan(config, variants, slices: dict, headroom: float, estimate=step_bytes) -
     for variant in variants:
         for remat in (False, True):
             measured = {}
-            fits = {
-                budget: largest_batch(
-                    functools.partial(estimate, config, variant=variant, remat=remat),
-                    budget,
-                    measured,
-                )
-                for budget in budgets
-            }
+            step = functools.partial(_logged, estimate, config, variant, remat)
+            fits = {budget: largest_batch(step, budget, measured) for budget in budgets}
             for name, (devices, device_bytes) in slices.items():
                 fit = fits[device_bytes * headroom]
                 steps = accumulation(config.batch_size, devices, fit.batch)
                 rows.append(Row(name, devices, device_bytes, variant, remat, fit, steps))
     return rows
+
+
+def _logged(estimate, config, variant: str, remat: bool, batch: int) -> int:
+    """`estimate`'s bytes, logged: a full-size step takes minutes to compile on CPU."""
+    size = estimate(config, batch, variant, remat)
+    logging.info("%s step, remat %s, batch %d: %.2f GiB", variant, remat, batch, size / GiB)
+    return size
 
 
 def print_plan(
