@@ -67,10 +67,6 @@ _SLICES = flags.DEFINE_string(
 _HEADROOM = flags.DEFINE_float(
     "headroom", 0.9, "With --memory: the fraction of a device's memory the step may fill."
 )
-# The memory analysis comes from XLA's buffer assignment, before the LLVM code generation (CPU,
-# GPU) that these flags make cheaper: the tests' settings; RVT-Ti*'s estimate is the same to the
-# byte with and without them, and its compile takes 32 s instead of 51 s on CPU.
-_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def main(argv):
@@ -97,7 +93,7 @@ def memory_plan(config):
     from rspc_jax.tools import memory_plan as planner
 
     planner.resolve_slices(_SLICES.value)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {planner.XLA_FLAGS}".strip()
     planner.print_plan(config, _VARIANTS.value.split(","), _SLICES.value, _HEADROOM.value)
 
 
