@@ -16,7 +16,16 @@ of rspc_jax.training.ablations (the adversarial-training baselines of the paper'
 
 `--compare_timm` then times timm's train step of the same model in a fresh process
 (rspc_jax.tools.timm_step) and prints our steps' time ratio to it and both peak memories.
+
+    python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.compute_dtype=bfloat16 --memory --variants=rspc --slices=v3-8,v4-8
+
+`--memory` times nothing: it prints, for each variant with remat off and on, the largest
+per-device micro-batch whose step fits `--headroom` of a device's memory on each slice
+(XLA's memory analysis of the compiled step, a few compiles each) and the grad_accum_steps
+that reach the config's global batch there (rspc_jax.tools.memory_plan).
 """
+
+import os
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -43,6 +52,21 @@ _COMPARE_TIMM = flags.DEFINE_bool(
     "Also time timm's train step of the same model (ViT/DeiT, XCiT) in a subprocess and print "
     "the time and peak-memory ratios (needs requirements-torch.txt).",
 )
+_MEMORY = flags.DEFINE_bool(
+    "memory",
+    False,
+    "Plan memory instead of timing: the largest per-device micro-batch that fits and the "
+    "grad_accum_steps for the global batch on each of --slices.",
+)
+_SLICES = flags.DEFINE_string(
+    "slices",
+    "all",
+    "With --memory: comma-separated slices (v3-8, v4-8, v5e-8, v5p-8, h100, a100-40, a100-80) "
+    "or 'all'.",
+)
+_HEADROOM = flags.DEFINE_float(
+    "headroom", 0.9, "With --memory: the fraction of a device's memory the step may fill."
+)
 
 
 def main(argv):
@@ -54,11 +78,23 @@ def main(argv):
         raise app.UsageError("pass --config=configs/<file>.py[:variant]")
     if _BATCH.value:
         config.batch_size = _BATCH.value
+    if _MEMORY.value:
+        memory_plan(config)
+        return
     results = benchmark.print_table(
         config, _VARIANTS.value.split(","), _STEPS.value, profile_dir=_PROFILE_DIR.value
     )
     if _COMPARE_TIMM.value:
         benchmark.compare_with_timm(config, results, _STEPS.value)
+
+
+def memory_plan(config):
+    """--memory: the plan, with the slices checked before JAX starts."""
+    from rspc_jax.tools import memory_plan as planner
+
+    planner.resolve_slices(_SLICES.value)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {planner.XLA_FLAGS}".strip()
+    planner.print_plan(config, _VARIANTS.value.split(","), _SLICES.value, _HEADROOM.value)
 
 
 if __name__ == "__main__":

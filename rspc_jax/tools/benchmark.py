@@ -53,7 +53,7 @@ def _step_flops(lowered) -> float:
     return float(analysis.get("flops", 0.0)) if analysis else 0.0
 
 
-def _step_bytes(compiled) -> int:
+def compiled_bytes(compiled) -> int:
     """XLA's estimate of one device's memory for the step: arguments, outputs and
     temporaries, less the donated buffers that outputs reuse."""
     m = compiled.memory_analysis()
@@ -121,7 +121,7 @@ def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
         images_per_sec=config.batch_size / median,
         flops=flops,
         mfu=flops / median / peak if peak and flops else None,
-        step_bytes=_step_bytes(compiled),
+        step_bytes=compiled_bytes(compiled),
         peak_bytes=stats.get("peak_bytes_in_use"),
         top_ops=top,
     )

@@ -1,0 +1,240 @@
+"""How large a per-device micro-batch fits a device's memory, and how many gradient
+accumulation steps then reach the config's global batch on a slice (the library of
+`python -m rspc_jax.benchmark --memory`).
+
+The measure is XLA's memory analysis of the compiled train step (`benchmark.compiled_bytes`):
+the step as training jits it, on a mesh of one device, lowered from abstract state so that
+nothing is allocated, with the accelerators' window ops (XLA's convolutions, not the CPU's
+im2col forms, whose gathered windows would inflate the estimate). It is compiled by XLA:CPU
+wherever this runs, with XLA_FLAGS below, whose buffer assignment is not the TPU's or GPU's:
+those pad layouts to their tiles, fuse differently and need workspace. The numbers are
+estimates, which is why the budget is a fraction (`headroom`) of the device's memory.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+from absl import logging
+import jax
+from jax.sharding import Mesh
+import numpy as np
+
+from rspc_jax import ConfigError, parallel
+from rspc_jax.data import specs as datasets
+from rspc_jax.models import ops
+from rspc_jax.tools import benchmark
+from rspc_jax.training import setup
+
+GiB = 2**30
+
+# Set before JAX starts (`--memory` does). XLA:CPU otherwise drops the optimization barriers
+# that keep rematerialised activations apart early in its pipeline (the pass named here), and
+# common-subexpression elimination then merges the recomputation back into the forward pass:
+# with remat on, the compiled step and its memory were those without (JAX's remat relies on
+# the accelerators' compilers keeping the barriers through scheduling). The other two make LLVM's code generation, which comes after the memory analysis,
+# cheaper (the tests' settings; RVT-Ti*'s estimate is the same to the byte with and without
+# them, and compiles in 32 s instead of 51 s).
+XLA_FLAGS = (
+    "--xla_disable_hlo_passes=cse_barrier_expander "
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+)
+
+# name -> (JAX devices, memory per device in bytes): the vendors' nominal HBM capacities. A
+# TPU v3 chip has two TensorCores, each its own JAX device with half of the chip's 32 GiB;
+# v4 and v5p chips are one device each (their two cores act as one); a v5e chip has one
+# core. The runtime keeps part of it for itself (a v5e shows about 15.75 of its 16 GiB), and
+# JAX on GPUs preallocates 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION says more.
+SLICES = {
+    "v3-8": (8, 16 * GiB),
+    "v4-8": (4, 32 * GiB),
+    "v5e-8": (8, 16 * GiB),
+    "v5p-8": (4, 95 * GiB),
+    "h100": (1, 80 * GiB),
+    "a100-40": (1, 40 * GiB),
+    "a100-80": (1, 80 * GiB),
+}
+
+# Micro-batches are multiples of 8: finer than powers of two (which can waste up to half of the
+# memory) and a whole number of TPU sublanes. The accumulation plan then takes the largest
+# divisor of the per-device batch that fits, which is a power of two for the usual batches.
+MULTIPLE = 8
+
+
+def resolve_slices(names: str) -> dict:
+    """{name: (devices, bytes per device)} of a comma-separated list ('all' = every slice)."""
+    if names == "all":
+        return dict(SLICES)
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in SLICES]
+    if unknown or not chosen:
+        known = ", ".join(f"{n} ({d} x {b // GiB} GiB)" for n, (d, b) in SLICES.items())
+        raise ConfigError(
+            f"unknown slice {', '.join(map(repr, unknown)) or 'list (empty)'}; pass "
+            f"--slices=all or a comma-separated list of the known slices: {known}"
+        )
+    return {name: SLICES[name] for name in chosen}
+
+
+def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool = False) -> int:
+    """XLA's memory estimate (bytes) of one device's train step of `variant` ('plain', 'rspc'
+    or an ablation) at `per_device_batch` images, compiled without allocating anything. The
+    state is laid out as `config` says (replicated unless the config shards it)."""
+    config = benchmark.variant_config(config, variant)
+    config.remat = remat
+    config.grad_accum_steps = 1  # one micro-batch per compiled step
+    mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), (parallel.DATA_AXIS,))
+    spec = datasets.dataset_spec(config.dataset)
+    sharding = parallel.batch_sharded(mesh)
+    image = (per_device_batch, config.image_size, config.image_size, 3)
+    batch = {
+        "image": jax.ShapeDtypeStruct(image, np.float32, sharding=sharding),
+        "label": jax.ShapeDtypeStruct((per_device_batch,), np.int32, sharding=sharding),
+    }
+    with ops.implementation("xla"):
+        model = setup.build_model(config, spec.num_classes)
+        parts = setup.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
+        state = jax.eval_shape(parts.init, jax.random.PRNGKey(0))
+        compiled = parts.train_step.lower(state, batch).compile()
+    return benchmark.compiled_bytes(compiled)
+
+
+class Fit(NamedTuple):
+    batch: int  # the largest fitting multiple of MULTIPLE found; 0 if MULTIPLE does not fit
+    bytes: int  # the estimate of `batch` (of MULTIPLE when it does not fit)
+    proven: bool  # batch + MULTIPLE was measured and does not fit
+
+
+def largest_batch(estimate, budget: float, measured: dict, max_compiles: int = 5) -> Fit:
+    """The largest multiple of MULTIPLE whose `estimate(batch)` (bytes) fits `budget`.
+
+    Memory is close to affine in the batch, so each guess is the secant through the two
+    measured batches nearest the budget, and a batch m is the answer once m fits and
+    m + MULTIPLE is measured not to (usually two guesses). `measured` (batch -> bytes) keeps
+    every estimate, so that searches for other budgets reuse them; after the first two
+    (MULTIPLE and 8 * MULTIPLE) at most `max_compiles` are made here, else the best batch
+    found is returned unproven."""
+
+    def measure(batch):
+        if batch not in measured:
+            measured[batch] = estimate(batch)
+        return measured[batch]
+
+    if measure(MULTIPLE) > budget:
+        return Fit(0, measured[MULTIPLE], True)
+    if len(measured) < 2:
+        measure(8 * MULTIPLE)
+    for compiles in range(max_compiles + 1):
+        low = max(b for b, v in measured.items() if v <= budget)
+        high = min((b for b, v in measured.items() if v > budget), default=None)
+        if high == low + MULTIPLE or compiles == max_compiles:
+            return Fit(low, measured[low], high == low + MULTIPLE)
+        measure(_secant_guess(measured, budget, low, high))
+
+
+def _secant_guess(measured: dict, budget: float, low: int, high) -> int:
+    """The batch where the line through the bracket (low, high), or through the two largest
+    fitting batches when nothing measured is over the budget, reaches it; rounded down to a
+    multiple of MULTIPLE strictly inside the bracket."""
+    if high is None:
+        b1, b2 = sorted(b for b, v in measured.items() if v <= budget)[-2:]
+    else:
+        b1, b2 = low, high
+    slope = (measured[b2] - measured[b1]) / (b2 - b1)
+    batch = b1 + (budget - measured[b1]) / slope if slope > 0 else 2 * low
+    guess = max(math.floor(batch / MULTIPLE) * MULTIPLE, low + MULTIPLE)
+    return guess if high is None else min(guess, high - MULTIPLE)
+
+
+def accumulation(global_batch: int, devices: int, micro: int):
+    """(micro-batch, grad_accum_steps) with devices * micro-batch * steps == global_batch: the
+    micro-batch is the largest divisor of the per-device batch up to `micro`. None when the
+    devices do not split the global batch evenly or no micro-batch fits."""
+    if global_batch % devices or micro < 1:
+        return None
+    per_device = global_batch // devices
+    used = max(d for d in range(1, min(micro, per_device) + 1) if per_device % d == 0)
+    return used, per_device // used
+
+
+class Row(NamedTuple):
+    slice: str
+    devices: int
+    device_bytes: int
+    variant: str
+    remat: bool
+    fit: Fit
+    accumulation: tuple | None  # (micro-batch, grad_accum_steps)
+
+
+def plan(config, variants, slices: dict, headroom: float, estimate=step_bytes) -> list[Row]:
+    """For every variant, remat off and on, and slice: the largest micro-batch whose estimate
+    fits `headroom` of a device's memory, and the accumulation that reaches config.batch_size.
+    Slices with the same memory share a search; searches of one step share their compiles."""
+    budgets = sorted({device_bytes * headroom for _, device_bytes in slices.values()})
+    rows = []
+    for variant in variants:
+        for remat in (False, True):
+            measured = {}
+            step = functools.partial(_logged, estimate, config, variant, remat)
+            fits = {budget: largest_batch(step, budget, measured) for budget in budgets}
+            for name, (devices, device_bytes) in slices.items():
+                fit = fits[device_bytes * headroom]
+                steps = accumulation(config.batch_size, devices, fit.batch)
+                rows.append(Row(name, devices, device_bytes, variant, remat, fit, steps))
+    return rows
+
+
+def _logged(estimate, config, variant: str, remat: bool, batch: int) -> int:
+    """`estimate`'s bytes, logged: a full-size step takes minutes to compile on CPU."""
+    size = estimate(config, batch, variant, remat)
+    logging.info("%s step, remat %s, batch %d: %.2f GiB", variant, remat, batch, size / GiB)
+    return size
+
+
+def print_plan(
+    config, variants, slice_names: str = "all", headroom: float = 0.9, estimate=step_bytes
+):
+    """Checks the slices, headroom and config before compiling, plans and prints the table."""
+    slices = resolve_slices(slice_names)
+    if not 0 < headroom <= 1:
+        raise ConfigError(
+            f"--headroom={headroom} must be in (0, 1]: the fraction of a device's memory to fill"
+        )
+    setup.validate_config(config)
+    rows = plan(config, variants, slices, headroom, estimate)
+    print(
+        f"model {config.model_name}, compute dtype {config.compute_dtype}, {config.image_size} px, "
+        f"global batch {config.batch_size}; budget {headroom:g} of a device's memory; "
+        "XLA's memory estimate of one device's step, compiled by XLA:CPU"
+    )
+    print(
+        f"{'slice':<8} {'devices':>7} {'GiB/dev':>7} {'step':<10} {'remat':<5} {'max micro':>9} "
+        f"{'XLA GiB':>8} {'per-device':>10} {'micro':>6} {'grad_accum_steps':>16}"
+    )
+    for r in rows:
+        largest = (
+            f"<{MULTIPLE}" if not r.fit.batch else f"{r.fit.batch}{'' if r.fit.proven else '*'}"
+        )
+        per_device = config.batch_size // r.devices if config.batch_size % r.devices == 0 else "-"
+        micro, steps = r.accumulation or ("-", "-")
+        print(
+            f"{r.slice:<8} {r.devices:>7} {r.device_bytes / GiB:>7.0f} {r.variant:<10} "
+            f"{'on' if r.remat else 'off':<5} {largest:>9} {r.fit.bytes / GiB:>8.2f} "
+            f"{per_device:>10} {micro:>6} {steps:>16}"
+        )
+    print(
+        f"max micro: the largest multiple of {MULTIPLE} that fits (<{MULTIPLE}: none; its XLA GiB is "
+        f"then the estimate at {MULTIPLE}); micro: the largest divisor of the per-device batch up "
+        "to it, run grad_accum_steps times per step. Estimates: the TPU/GPU compilers lay out, fuse "
+        "and schedule differently from this one, hence the headroom; with grad_accum_steps > 1 "
+        "the step also holds a float32 gradient sum the size of the parameters."
+    )
+    if any(not r.fit.proven for r in rows):
+        print("*: the compile limit was reached before the next multiple was shown not to fit.")
+    if config.sharding != "replicated":
+        print(
+            f"config.sharding={config.sharding}: compiled on one device, so a sharded state is "
+            "counted whole (an upper bound when the slice shards it)."
+        )
+    return rows
