@@ -46,16 +46,18 @@ def test_peak_flops_by_device_kind_and_dtype():
     assert benchmark.peak_flops("cpu", "bfloat16") is None
 
 
-def test_benchmark_counts_every_scanned_block():
-    """XLA's cost analysis counts a loop body once; the scanned model does the same work."""
+def test_benchmark_counts_every_scanned_block_and_micro_batch():
+    """XLA's cost analysis counts a loop body once; the scanned model and the accumulated
+    step do the same work."""
     rows = [
         re.search(_ROW.format("plain"), out, re.M).group(4)
         for out in (
             _benchmark("--variants=plain"),
             _benchmark("--variants=plain", "--config.scan_blocks=True"),
+            _benchmark("--variants=plain", "--config.grad_accum_steps=2"),
         )
     ]
-    assert rows[0] == rows[1]
+    assert rows[0] == rows[1] == rows[2]
 
 
 def test_profile_sums_the_steps_ops_and_names_their_hlo(tmp_path):

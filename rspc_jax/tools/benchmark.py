@@ -106,10 +106,11 @@ def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
             f.write(hlo)  # the optimised HLO the trace's op names refer to
         top = profiling.top_ops(trace_file, hlo, steps=2, count=None)
     flops = _step_flops(lowered)
-    if config.get("scan_blocks"):
-        # XLA counts a loop body once, not once per block: count the unrolled step (same math).
+    if config.scan_blocks or config.grad_accum_steps > 1:
+        # XLA counts a loop body once, not once per block or micro-batch: count the step
+        # without these loops (the same math).
         unrolled = config.copy_and_resolve_references()
-        unrolled.scan_blocks = False
+        unrolled.scan_blocks, unrolled.grad_accum_steps = False, 1
         flops = _step_flops(
             _train_parts(unrolled, spec, mesh).train_step.lower(state, global_batch)
         )
