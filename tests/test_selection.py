@@ -27,7 +27,7 @@ def test_one_mask_for_every_image_reports_one_mask_zero_entropy_and_unit_iou():
     masks[:, [0, 1]] = 1
     stats = jax.device_get(selection.statistics(jnp.asarray(masks)))
     assert stats["distinct_masks"] == 1
-    assert stats["selection_entropy"] == pytest.approx(0.0, abs=1e-5)
+    assert stats["entropy"] == pytest.approx(0.0, abs=1e-5)
     assert stats["mask_iou"] == pytest.approx(1.0)
 
 
@@ -35,7 +35,7 @@ def test_random_selection_reports_high_entropy_and_the_iou_of_chance():
     masks = _random_masks(512)
     stats = jax.device_get(selection.statistics(jnp.asarray(masks)))
     assert stats["distinct_masks"] == len(np.unique(masks, axis=0)) > 100
-    assert stats["selection_entropy"] > 0.98
+    assert stats["entropy"] > 0.98
     # Two random 2-of-16 masks: E[IoU] = P(1 shared) / 3 + P(2 shared) = 0.2333 / 3 + 0.0083.
     assert stats["mask_iou"] == pytest.approx(0.2333 / 3 + 1 / 120, abs=0.01)
 
@@ -55,7 +55,7 @@ def test_the_train_log_and_the_report_carry_the_statistics(demo_run, digits_data
     workdir, _ = demo_run
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "train/loss" in r]
-    for key in ("distinct_masks", "selection_entropy", "mask_iou", "on_object"):
+    for key in ("distinct_masks", "entropy", "mask_iou", "on_object"):
         assert all(f"train/selection_{key}" in r for r in train), key
     ratio = train[-1]["train/weighted_align_to_ce"]
     assert ratio == pytest.approx(0.005 * train[-1]["train/align"] / train[-1]["train/ce"], 0.3)
@@ -65,7 +65,7 @@ def test_the_train_log_and_the_report_carry_the_statistics(demo_run, digits_data
     )
     chosen = results["patch_occlusion"]["selection"]
     assert 1 <= chosen["distinct_masks"] <= 297
-    assert 0 <= chosen["selection_entropy"] <= 1 and 0 <= chosen["on_object"] <= 1
+    assert 0 <= chosen["entropy"] <= 1 and 0 <= chosen["on_object"] <= 1
     assert sum(chosen["position_frequency"]) == pytest.approx(2.0)  # 2 of 16 per image
     report = (tmp_path / "report.md").read_text()
     assert "C: distinct masks" in report and "C: selected patches on the object" in report

@@ -76,7 +76,7 @@ def _rows(name: str, result: dict) -> list[tuple[str, str]]:
                 ("C: distinct masks", f"{chosen['distinct_masks']} of {result['num_examples']}"),
                 (
                     "C: selection entropy (1 = uniform, 0 = one mask)",
-                    f"{chosen['selection_entropy']:.3f}",
+                    f"{chosen['entropy']:.3f}",
                 ),
                 ("C: mean mask IoU of two images", f"{chosen['mask_iou']:.3f}"),
             ]

@@ -5,10 +5,10 @@ Fig. 6). A C that has collapsed to one fixed mask for every image is no longer t
 adversary, so training logs and evaluation reports these numbers:
 
 - `distinct_masks`: how many different masks the images got;
-- `selection_entropy`: the mean over positions of the binary entropy of each position's
-  selection frequency, divided by its value when every position is chosen equally often
-  (the same number of patches per image): 1 = uniform use of positions (random selection),
-  0 = every image gets the same mask;
+- `entropy` (`selection_entropy`): the mean over positions of the binary entropy of each
+  position's selection frequency, divided by its value when every position is chosen equally
+  often (the same number of patches per image): 1 = uniform use of positions (random
+  selection), 0 = every image gets the same mask;
 - `mask_iou`: the mean intersection-over-union of the masks of two different images
   (1 = identical masks; random masks of k of n patches give about k / (2n - k));
 - `on_object`: the fraction of selected patches that hold part of the object, for datasets
@@ -68,7 +68,7 @@ def statistics(occluded, on_object=None) -> dict:
     """The module docstring's numbers for masks `occluded` (B, N; 1 = occluded)."""
     stats = dict(
         distinct_masks=distinct_masks(occluded).astype(jnp.float32),
-        selection_entropy=selection_entropy(occluded),
+        entropy=selection_entropy(occluded),
         mask_iou=mask_iou(occluded),
     )
     if on_object is not None:

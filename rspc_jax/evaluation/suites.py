@@ -182,7 +182,7 @@ def _selection_statistics(occluded: np.ndarray, on_object=None, pairs_of: int = 
     stats = jax.device_get(selection.statistics(jnp.asarray(occluded[:pairs_of])))
     stats = dict(
         distinct_masks=int(np.unique(occluded, axis=0).shape[0]),
-        selection_entropy=float(selection.selection_entropy(jnp.asarray(occluded))),
+        entropy=float(selection.selection_entropy(jnp.asarray(occluded))),
         mask_iou=float(stats["mask_iou"]),
         mask_iou_images=int(min(len(occluded), pairs_of)),
         position_frequency=[float(f) for f in occluded.mean(axis=0)],
