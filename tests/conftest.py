@@ -423,6 +423,22 @@ def smoke_config(data_dir: str, **overrides):
     return config
 
 
+def first_batches(config, count: int = 1) -> list:
+    """The first `count` training batches of `config`'s data, unaugmented, seed 0."""
+    from rspc_jax.data import train as train_data
+
+    iterator = train_data.train_iterator(
+        dataset=config.dataset,
+        data_dir=config.data_dir,
+        split="train",
+        image_size=config.image_size,
+        local_batch_size=config.batch_size,
+        seed=0,
+        augment="none",
+    )
+    return [next(iterator) for _ in range(count)]
+
+
 def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cwd=REPO):
     """Runs `python args...` in a fresh process (XLA_FLAGS must be set before JAX starts)."""
     env = dict(os.environ)

@@ -13,26 +13,12 @@ import pytest
 
 from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
-from rspc_jax.data import train as train_data
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import export, state_dicts
 from rspc_jax.training import checks, defaults, setup
-from tests.conftest import run_python, smoke_config
+from tests.conftest import first_batches, run_python, smoke_config
 
 RVT = dict(model_name="rvt_tiny", model=dict(base_dims=(8, 8), depth=(1, 1), heads=(2, 4)))
-
-
-def _batches(config, count):
-    iterator = train_data.train_iterator(
-        dataset=config.dataset,
-        data_dir=config.data_dir,
-        split="train",
-        image_size=config.image_size,
-        local_batch_size=config.batch_size,
-        seed=0,
-        augment="none",
-    )
-    return [next(iterator) for _ in range(count)]
 
 
 def _train(config, batches):
@@ -71,7 +57,7 @@ def test_micro_batches_make_the_update_of_one_batch(digits_data_dir, rspc):
         batch_size=8,
         **{"rspc.enabled": rspc, "model.drop_path_rate": 0.0},
     )
-    batches = _batches(make(), 2)
+    batches = first_batches(make(), 2)
     _, reference, reference_metrics = _train(make(grad_accum_steps=1), batches)
     for k in (2, 4):
         _, state, metrics = _train(make(grad_accum_steps=k), batches)
@@ -92,7 +78,7 @@ def test_with_batchnorm_micro_batches_differ_only_by_their_statistics(digits_dat
     make = functools.partial(
         smoke_config, digits_data_dir, batch_size=8, **RVT, **{"rspc.enabled": False}
     )
-    half = _batches(make(batch_size=4), 1)[0]
+    half = first_batches(make(batch_size=4), 1)[0]
     twice = {key: np.concatenate([value, value]) for key, value in half.items()}
     initial, one, _ = _train(make(grad_accum_steps=1), [twice])
     _, two, _ = _train(make(grad_accum_steps=2), [twice])
@@ -112,7 +98,7 @@ def test_with_batchnorm_micro_batches_differ_only_by_their_statistics(digits_dat
 
 def test_ema_of_batchnorm_statistics_follows_the_decay(digits_data_dir):
     make = functools.partial(smoke_config, digits_data_dir, batch_size=4, ema_decay=0.9, **RVT)
-    batches = _batches(make(), 2)
+    batches = first_batches(make(), 2)
     initial, state, _ = _train(make(), batches[:1])
     expected = jax.tree.map(lambda e, s: 0.9 * e + 0.1 * s, initial.batch_stats, state.batch_stats)
     _assert_close(state.ema_batch_stats, expected, 1e-6, "EMA of the statistics")

@@ -8,9 +8,8 @@ import pytest
 
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
-from rspc_jax.data import train as train_data
 from rspc_jax.training import setup
-from tests.conftest import smoke_config
+from tests.conftest import first_batches, smoke_config
 
 # Tiny members of each family that run on the 32x32 digits (no PAAS: it needs 224 px).
 FAMILIES = {
@@ -58,17 +57,7 @@ def _one_step_from_a_shared_start(config):
     donates it)."""
     mesh = parallel.create_mesh()
     batch = parallel.to_global(
-        next(
-            train_data.train_iterator(
-                dataset=config.dataset,
-                data_dir=config.data_dir,
-                split="train",
-                image_size=config.image_size,
-                local_batch_size=config.batch_size,
-                seed=0,
-                augment="none",
-            )
-        ),
+        first_batches(config)[0],
         mesh,
     )
     initial = _parts(config).init(jax.random.PRNGKey(0))

@@ -15,24 +15,10 @@ import pytest
 
 from rspc_jax import parallel, rspc
 from rspc_jax.data import specs as datasets
-from rspc_jax.data import train as train_data
 from rspc_jax.training import loop as train
 from rspc_jax.training import mixup, setup
 from rspc_jax.training import step as train_step_lib
-from tests.conftest import REPO, run_python, smoke_config
-
-
-def _fixed_batch(config):
-    batches = train_data.train_iterator(
-        dataset=config.dataset,
-        data_dir=config.data_dir,
-        split="train",
-        image_size=config.image_size,
-        local_batch_size=config.batch_size,
-        seed=0,
-        augment="none",
-    )
-    return next(batches)
+from tests.conftest import REPO, first_batches, run_python, smoke_config
 
 
 def _loss_at(
@@ -78,7 +64,7 @@ def test_one_step_descends_the_classifier_and_ascends_the_corruption_model(digit
     mesh = parallel.create_mesh()
     parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
     state = parts.init(jax.random.PRNGKey(0))
-    batch = _fixed_batch(config)
+    batch = first_batches(config)[0]
     corruption_model = rspc.PatchCorruptionModel(model.patch_size)
     loss_at = functools.partial(
         _loss_at, config, model, state, batch, corruption_model=corruption_model
