@@ -1,19 +1,32 @@
-"""The small-scale reproduction study on the embedded digits (docs/results.md, 'Small-scale study'):
+"""The small-scale study on the embedded digits (docs/study/results.md):
 
     python -m rspc_jax.study --config=configs/demo_study.py --workdir=runs/study
 
-Trains, with the demo's budget (920 steps) and seeds 0, 1, 2: the plain baseline, RSPC
-(official defaults), RSPC with randomly selected patches and clean + corrupted training
-without alignment (paper Table 3 rows); evaluates each with the suites below and writes
-results.md (mean ± std over seeds) and the figures. `:smoke` runs one seed of a few steps
-of the 2-block model, plain and RSPC only (the test suite checks that it writes every file). One run of it alone:
-`python -m rspc_jax.main --config=configs/demo_study.py --workdir=runs/demo` (the demo).
+When does the learned patch selection beat random selection, and what does the corruption
+model C learn? Three settings, each trained with seeds 0, 1, 2 and evaluated on clean, randomly
+occluded and (for C) C-occluded test digits:
+
+- `centred16`: the demo (centred digits, 32 px, 4x4 tokens of 8 px), 15 epochs;
+- `canvas16`: the digits at random places of a 16x16 canvas (`sklearn_digits_canvas`, 32 px,
+  4x4 tokens), so that no fixed mask hits every digit; the lambda grid and the paper-mode
+  switches run here;
+- `centred64`: 16 px digits in 8x8 tokens of 2 px, noise in pixel space without the ImageNet
+  clamp, 10 epochs (64 tokens cost 3.5x the demo's step).
+
+Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
+`field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
+no official training log gives the ratio lambda * L_align / CE at ImageNet scale; the study
+reports the ratio each value gives. `:smoke` runs a few steps of two settings and two methods
+(the test suite checks that it writes every file).
 """
 
 import importlib.util
 import os
 
 import ml_collections
+
+_LAMBDAS = (0.05, 0.5, 5.0)
+_PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
 
 
 def get_config(arg=None):
@@ -22,34 +35,59 @@ def get_config(arg=None):
     )
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    if arg not in (None, "", "plain", "smoke"):
-        raise ValueError(
-            f"unknown variant {arg!r} of configs/demo_study.py; use 'plain' or 'smoke'"
-        )
-    c = demo.get_config(arg)
+    if arg not in (None, "", "smoke"):
+        raise ValueError(f"unknown variant {arg!r} of configs/demo_study.py; use 'smoke'")
+    c = demo.get_config("smoke" if arg == "smoke" else None)
+    c.num_epochs = 15
+    # Each run is evaluated and saved once, after its last step.
+    c.eval_every_steps = c.checkpoint_every_steps = 1_000_000
+    core = ("clean", "rspc", "random_patches", "clean_and_corrupted")
+    at_half = ("rspc lam=0.5", "random_patches lam=0.5")
+    grid = tuple(f"{m} lam={lam}" for lam in _LAMBDAS for m in ("rspc", "random_patches"))
     c.study = ml_collections.ConfigDict(
         dict(
-            # 'rspc' or names of rspc_jax.training.ablations ('clean' is the plain baseline).
-            methods=("clean", "rspc", "random_patches", "clean_and_corrupted"),
             seeds=(0, 1, 2),
+            settings=dict(
+                centred16=dict(
+                    about="centred digits, 16 tokens (the demo)",
+                    config=dict(),
+                    methods=core + at_half,
+                ),
+                canvas16=dict(
+                    about="digits at random places of a 16x16 canvas, 16 tokens",
+                    config=dict(dataset="sklearn_digits_canvas"),
+                    methods=core + grid + (f"rspc lam=0.5 {_PAPER_MODE}",),
+                ),
+                centred64=dict(
+                    about="centred 16 px digits, 64 tokens of 2 px, pixel-space noise, no clamp",
+                    config=dict(
+                        image_size=16,
+                        num_epochs=10,
+                        model=dict(patch_size=2),
+                        rspc=dict(noise_space="pixel", clamp="none"),
+                    ),
+                    methods=("clean", "rspc", "random_patches") + at_half,
+                ),
+            ),
         )
     )
     e = c.evaluation
-    e.suites = "clean,patch_occlusion,attention_stability,corrupted_local,adversarial"
-    e.occlusion_rho = 0.1  # 2 of the 16 patches (the official count rule)
-    e.occlusion_masks = 100
-    e.attacks = "pgd"  # PGD at a small eps on every test image
-    e.pgd_eps, e.pgd_step, e.pgd_steps = 2 / 255, 0.5 / 255, 5
-    e.adversarial_examples = 0
+    e.suites = "clean,patch_occlusion,attention_stability"
+    e.occlusion_rho = 0.1  # 2 of 16 patches, 7 of 64 (the official count rule)
+    e.occlusion_masks = 20
     if arg == "smoke":
-        c.study.methods = ("clean", "rspc")
         c.study.seeds = (0,)
+        c.study.settings = dict(
+            centred16=dict(about="smoke", config=dict(), methods=("clean", "rspc")),
+            canvas16=dict(
+                about="smoke",
+                config=dict(dataset="sklearn_digits_canvas"),
+                methods=("rspc lam=0.5", "random_patches lam=0.5"),
+            ),
+        )
         c.total_steps = 4
-        c.eval_every_steps = 4
-        c.checkpoint_every_steps = 4
+        c.log_every_steps = 2
         e.occlusion_masks = 4
         e.figure_images = 2
         e.num_examples = 32
-        e.corruptions = "gaussian_noise,fog"
-        e.severities = (3,)
     return c

@@ -47,6 +47,7 @@ def imagenet(image, size):
 
 EVAL_PREPROCESS = {
     "sklearn_digits": digits,
+    "sklearn_digits_canvas": digits,
     "cifar10": cifar,
     "cifar100": cifar,
     "imagenet2012": imagenet,

@@ -1,7 +1,8 @@
 """Dataset specs and tfds builders: what a dataset is, where it lives, how its records
 are read. TF only runs on the host CPU. Nothing here downloads data at run time: a
 dataset that is not prepared raises `DatasetNotFoundError` with instructions, except
-`sklearn_digits`, which is built offline from scikit-learn on first use."""
+the digits (`sklearn_digits`, `sklearn_digits_canvas`), built offline from scikit-learn on
+first use."""
 
 import dataclasses
 import os
@@ -12,7 +13,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from rspc_jax import ConfigError, ReportedError
-from rspc_jax.data import sklearn_digits  # noqa: F401  (registers `sklearn_digits` with tfds)
+from rspc_jax.data import sklearn_digits  # noqa: F401  (registers the digits with tfds)
 
 AUTOTUNE = tf.data.AUTOTUNE
 
@@ -47,6 +48,9 @@ class DatasetSpec:
 
 # Digits: grey pixel mean/std of the 1500 training images after the builder's
 # 0..255 scaling (nearest upsampling leaves them unchanged), on all 3 channels.
+# Datasets built from a package on first use (no download).
+_OFFLINE = ("sklearn_digits", "sklearn_digits_canvas")
+
 _SPECS = {
     "sklearn_digits": DatasetSpec(
         name="sklearn_digits",
@@ -56,6 +60,18 @@ _SPECS = {
         image_size=32,
         mean=(0.3052,) * 3,
         std=(0.3749,) * 3,
+        manual_download=False,
+        background=0.0,
+    ),
+    # The same digits on a 16x16 canvas (mean and std of its 1500 training images).
+    "sklearn_digits_canvas": DatasetSpec(
+        name="sklearn_digits_canvas",
+        num_classes=10,
+        train_split="train",
+        eval_split="test",
+        image_size=32,
+        mean=(0.0763,) * 3,
+        std=(0.2293,) * 3,
         manual_download=False,
         background=0.0,
     ),
@@ -140,14 +156,14 @@ def _tfds_is_mocked() -> bool:
 def get_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
     """Returns the prepared builder of `name`; never downloads.
 
-    `sklearn_digits` is prepared on first use (it needs no network); any other
+    The digits are prepared on first use (it needs no network); any other
     dataset that is missing raises `DatasetNotFoundError`.
     """
     data_dir = _resolve_data_dir(data_dir)
     builder = tfds.builder(name, data_dir=data_dir)
     if builder.is_prepared() or _tfds_is_mocked():
         return builder
-    if name == "sklearn_digits":
+    if name in _OFFLINE:
         builder.download_and_prepare()
         return builder
     manual = bool(builder.MANUAL_DOWNLOAD_INSTRUCTIONS)

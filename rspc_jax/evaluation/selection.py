@@ -12,7 +12,9 @@ adversary, so training logs and evaluation reports these numbers:
 - `mask_iou`: the mean intersection-over-union of the masks of two different images
   (1 = identical masks; random masks of k of n patches give about k / (2n - k));
 - `on_object`: the fraction of selected patches that hold part of the object, for datasets
-  with an empty background (digits: a patch with any stroke pixel).
+  with an empty background (digits: a patch with any stroke pixel);
+- `frequency`: how often each position was selected (a vector, row-major over the patch grid;
+  the training log keeps it so that a run's selection can be drawn over training).
 
 Pure jnp functions (they run inside the train step and on host arrays alike).
 """
@@ -67,6 +69,7 @@ def object_patches(pixels, patch_size: int, background: float) -> jnp.ndarray:
 def statistics(occluded, on_object=None) -> dict:
     """The module docstring's numbers for masks `occluded` (B, N; 1 = occluded)."""
     stats = dict(
+        frequency=occluded.astype(jnp.float32).mean(axis=0),
         distinct_masks=distinct_masks(occluded).astype(jnp.float32),
         entropy=selection_entropy(occluded),
         mask_iou=mask_iou(occluded),

@@ -1,13 +1,16 @@
-"""The small-scale reproduction study behind `python -m rspc_jax.study`.
+"""The small-scale study behind `python -m rspc_jax.study` (configs/demo_study.py).
 
-Trains every method of config.study.methods ('rspc' or a name of rspc_jax.training.ablations) for
-every seed of config.study.seeds with the config's budget, evaluates each run with the
-config's suites, and writes DIR/results.md (mean ± std over seeds of every number, the
-command, the hardware, wall-clock per run) and DIR/figures/. Runs live in
-DIR/runs/<method>_s<seed>; a finished run is not trained or evaluated again, so an
-interrupted study resumes where it stopped.
+For every seed of config.study.seeds, every setting of config.study.settings (a partial config
+merged into the base) and every method of that setting ('rspc' or a name of
+rspc_jax.training.ablations, then optional `field=value` overrides of config.rspc), trains one
+run, evaluates it with config.evaluation's suites and records its numbers. Then writes
+DIR/results.md (mean ± std over seeds; learned against random selection per lambda, paired by
+seed; C's selection statistics and lambda * L_align / CE; the command, hardware and wall-clock)
+and DIR/figures/. Runs live in DIR/runs/<setting>/<method>_s<seed>; a finished run is not
+trained or evaluated again, so an interrupted study resumes where it stopped.
 """
 
+import ast
 import json
 import os
 import platform
@@ -18,31 +21,88 @@ from absl import logging
 import jax
 import numpy as np
 
-# imagecorruptions' families (Hendrycks & Dietterich), for the per-family table.
-FAMILIES = {
-    "noise": ("gaussian_noise", "shot_noise", "impulse_noise"),
-    "blur": ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur"),
-    "weather": ("snow", "frost", "fog", "brightness"),
-    "digital": ("contrast", "elastic_transform", "pixelate", "jpeg_compression"),
-}
+from rspc_jax.training import reporting
+
 LABELS = {
-    "clean": "plain (no RSPC)",
+    "clean": "plain",
     "rspc": "RSPC",
     "random_patches": "RSPC, random patches",
-    "clean_and_corrupted": "clean + corrupted, no alignment",
+    "clean_and_corrupted": "clean + corrupted",
 }
+# The methods of the README's headline table (those present in a setting).
+HEADLINE = (
+    "clean",
+    "rspc",
+    "random_patches",
+    "clean_and_corrupted",
+    "rspc lam=0.5",
+    "random_patches lam=0.5",
+)
 
 
-def method_config(config, method: str, seed: int):
-    """The base config switched to `method` with `seed`."""
+def parse_method(method: str) -> tuple[str, dict]:
+    """'random_patches lam=0.5' -> ('random_patches', {'lam': 0.5})."""
+    name, *overrides = method.split()
+    fields = {}
+    for override in overrides:
+        key, _, value = override.partition("=")
+        try:
+            fields[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            fields[key] = value
+    return name, fields
+
+
+def label(method: str) -> str:
+    name, fields = parse_method(method)
+    text = LABELS.get(name, name)
+    return text + "".join(f", {'λ' if k == 'lam' else k}={v}" for k, v in fields.items())
+
+
+def _slug(method: str) -> str:
+    return method.replace(" ", "_")
+
+
+def _merge(config, partial) -> None:
+    for key, value in partial.items():
+        if hasattr(value, "items") and hasattr(config[key], "items"):
+            _merge(config[key], value)
+        else:
+            config[key] = value
+
+
+def check(config) -> None:
+    """Unknown methods or rspc fields fail before the first run trains."""
+    from rspc_jax import ConfigError
+    from rspc_jax.training import ablations
+
+    for setting, spec in config.study.settings.items():
+        for method in spec.methods:
+            name, fields = parse_method(method)
+            unknown = [k for k in fields if k not in config.rspc]
+            if (name != "rspc" and name not in ablations.ABLATIONS) or unknown:
+                raise ConfigError(
+                    f"study setting {setting!r}: method {method!r} is not "
+                    "'rspc' or an ablation name followed by config.rspc fields as field=value "
+                    f"(ablations: {sorted(ablations.ABLATIONS)}; unknown fields: {unknown}). "
+                    "Fix config.study.settings."
+                )
+
+
+def run_config(config, setting: str, method: str, seed: int):
+    """The base config switched to `setting`, `method` and `seed`."""
     from rspc_jax.training import ablations
 
     config = config.copy_and_resolve_references()
+    _merge(config, config.study.settings[setting].config)
     config.seed = seed
-    if method == "rspc":
+    name, fields = parse_method(method)
+    if name == "rspc":
         config.rspc.enabled = True
     else:
-        ablations.apply(config, method)
+        ablations.apply(config, name)
+    for key, value in fields.items():
+        config.rspc[key] = type(config.rspc[key])(value)
     return config
 
 
@@ -59,10 +119,16 @@ def run_one(config, workdir: str) -> dict:
     train.train_and_evaluate(config, workdir)
     trained = time.time()
     results = evaluation_run.run_suites(config, workdir=workdir, out=os.path.join(workdir, "eval"))
+    train_log = [
+        r
+        for r in reporting.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        if "train/loss" in r
+    ]
     record = dict(
         train_seconds=round(trained - start, 1),
         eval_seconds=round(time.time() - trained, 1),
         results=results,
+        train_log=train_log,
     )
     if jax.process_index() == 0:
         with open(record_path, "w") as f:
@@ -70,170 +136,231 @@ def run_one(config, workdir: str) -> dict:
     return record
 
 
-def summarise(results: dict) -> dict:
-    """The study's numbers of one run (fractions)."""
-    row = {}
-    if "clean" in results:
-        row["clean accuracy"] = results["clean"]["top1"]
-    occlusion = results.get("patch_occlusion", {})
-    if "random_mask_accuracy" in occlusion:
-        masks = occlusion["random_mask_accuracy"]
-        row["occluded accuracy, mean over masks"] = masks["mean"]
-        row["occluded accuracy, std over masks"] = masks["std"]
-        row["occluded accuracy, worst mask"] = masks["min"]
-    stability = results.get("attention_stability", {})
-    if "mean_cos_sim" in stability:
-        row["attention Cos-Sim, mean"] = stability["mean_cos_sim"]
-        for layer, value in enumerate(stability["per_layer"]):
-            row[f"attention Cos-Sim, block {layer}"] = value
-    corrupted = results.get("corrupted_local", {})
-    if "per_corruption" in corrupted:
-        per = corrupted["per_corruption"]
-        for family, names in FAMILIES.items():
-            present = [per[n] for n in names if n in per]
-            if present:
-                row[f"corrupted accuracy, {family}"] = float(np.mean(present))
-        row["corrupted accuracy, mean"] = corrupted["mean_accuracy"]
-    adversarial = results.get("adversarial", {})
-    if "pgd" in adversarial.get("accuracy", {}):
-        row["PGD accuracy"] = adversarial["accuracy"]["pgd"]
+def summarise(record: dict) -> dict:
+    """The study's numbers of one run."""
+    results, log = record["results"], record["train_log"]
+    row = dict(clean=results["clean"]["top1"])
+    occlusion = results["patch_occlusion"]
+    row["occluded"] = occlusion["random_mask_accuracy"]["mean"]
+    row["worst mask"] = occlusion["random_mask_accuracy"]["min"]
+    row["Cos-Sim"] = results["attention_stability"]["mean_cos_sim"]
+    if "train/weighted_align_to_ce" in log[-1]:
+        row["λ·L_align/CE"] = log[-1]["train/weighted_align_to_ce"]
+    if "train/selection_entropy" in log[0]:
+        row["entropy, first log"] = log[0]["train/selection_entropy"]
+        row["entropy, last log"] = log[-1]["train/selection_entropy"]
+    chosen = occlusion.get("selection")
+    if chosen:  # C's masks on the test set (for random selection: C as initialised)
+        row["C's mask: accuracy"] = occlusion["learned_mask_accuracy"]
+        row["C: distinct masks"] = chosen["distinct_masks"]
+        row["C: entropy"] = chosen["entropy"]
+        row["C: mask IoU"] = chosen["mask_iou"]
+        if "on_object" in chosen:
+            row["C: on object"] = chosen["on_object"]
     return row
 
 
-def _mean_std(values) -> str:
-    values = 100 * np.asarray(values, float)
-    return (
-        f"{values.mean():.2f} ± {values.std(ddof=1):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
-    )
+# Shown in percent; the rest as they are.
+PERCENT = ("clean", "occluded", "worst mask", "Cos-Sim", "C's mask: accuracy", "C: on object")
 
 
-def figures(records: dict, workdir: str, methods, seeds) -> list[str]:
-    """Box plots of occlusion accuracy and Cos-Sim histograms per method (pooled over
-    seeds); the first seed's attention maps (plain, RSPC) and learned masks, copied."""
+def _cell(values, metric: str) -> str:
+    values = np.asarray(values, float) * (100 if metric in PERCENT else 1)
+    digits = 0 if metric == "C: distinct masks" else (2 if metric in PERCENT else 3)
+    if metric == "λ·L_align/CE":
+        text = f"{values.mean():.2g}"
+        return text + (f" ± {values.std(ddof=1):.1g}" if len(values) > 1 else "")
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{values.mean():.{digits}f} ± {values.std(ddof=1):.{digits}f}"
+
+
+def _table(rows: dict, metrics: list, first_column: str) -> list[str]:
+    lines = [
+        f"| {first_column} | " + " | ".join(metrics) + " |",
+        "|---|" + "---:|" * len(metrics),
+    ]
+    for name, per_seed in rows.items():
+        cells = [
+            _cell([r[m] for r in per_seed], m) if all(m in r for r in per_seed) else "—"
+            for m in metrics
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def learned_vs_random(rows: dict, seeds) -> list[tuple]:
+    """(lambda overrides, occluded-accuracy difference learned - random per seed, Cos-Sim
+    difference per seed) for every method pair that differs only in the selection."""
+    pairs = []
+    for method in rows:
+        name, fields = parse_method(method)
+        twin = " ".join(["random_patches", *method.split()[1:]])
+        if name == "rspc" and twin in rows:
+            pairs.append(
+                (
+                    method,
+                    [
+                        a["occluded"] - b["occluded"]
+                        for a, b in zip(rows[method], rows[twin], strict=True)
+                    ],
+                    [
+                        a["Cos-Sim"] - b["Cos-Sim"]
+                        for a, b in zip(rows[method], rows[twin], strict=True)
+                    ],
+                )
+            )
+    return pairs
+
+
+def figures(records: dict, config, workdir: str) -> list[str]:
+    """Per setting: C's per-position selection frequency over training (first seed, every
+    method with learned selection); occluded accuracy per method; C's masks, copied."""
     from rspc_jax.evaluation.figures import plt, save
 
     out = os.path.join(workdir, "figures")
+    first = config.study.seeds[0]
     paths = []
-    occlusion = {
-        m: [
-            a
-            for s in seeds
-            for a in records[m][s]["results"]
-            .get("patch_occlusion", {})
-            .get("per_mask_accuracy", [])
+    for setting, spec in config.study.settings.items():
+        learned = [
+            m
+            for m in spec.methods
+            if "train/selection_frequency" in records[setting][m][first]["train_log"][-1]
+            and parse_method(m)[0] == "rspc"
         ]
-        for m in methods
-    }
-    if any(occlusion.values()):
-        fig, ax = plt.subplots(figsize=(1.8 * len(methods) + 2, 4))
-        ax.boxplot([100 * np.asarray(occlusion[m]) for m in methods])
-        ax.set_xticks(range(1, len(methods) + 1), [LABELS.get(m, m) for m in methods], fontsize=8)
-        clean = [
-            100 * np.mean([records[m][s]["results"]["clean"]["top1"] for s in seeds])
+        if learned:
+            fig, axes = plt.subplots(
+                1, len(learned), figsize=(2.6 * len(learned) + 1, 3.2), squeeze=False
+            )
+            for ax, method in zip(axes[0], learned, strict=True):
+                log = records[setting][method][first]["train_log"]
+                frequency = np.array([r["train/selection_frequency"] for r in log]).T
+                steps = [r["step"] for r in log]
+                image = ax.imshow(
+                    frequency,
+                    aspect="auto",
+                    cmap="magma",
+                    vmin=0,
+                    vmax=1,
+                    interpolation="nearest",
+                    extent=(steps[0], steps[-1], frequency.shape[0] - 0.5, -0.5),
+                )
+                ax.set_title(label(method), fontsize=8)
+                ax.set_xlabel("step", fontsize=8)
+            axes[0, 0].set_ylabel("patch position (row-major)", fontsize=8)
+            fig.colorbar(image, ax=axes[0, -1], label="fraction of the batch's masks")
+            fig.suptitle(f"{setting}: C's selection per position over training", fontsize=9)
+            paths.append(save(fig, out, f"{setting}_selection_over_training.png"))
+        methods = list(spec.methods)
+        means = [
+            [100 * summarise(records[setting][m][s])["occluded"] for s in config.study.seeds]
             for m in methods
         ]
-        ax.scatter(
-            range(1, len(methods) + 1),
-            clean,
-            marker="*",
-            s=120,
-            color="tab:red",
-            label="clean (mean over seeds)",
-            zorder=3,
+        fig, ax = plt.subplots(figsize=(0.55 * len(methods) + 2, 3.6))
+        ax.errorbar(
+            range(len(methods)),
+            [np.mean(v) for v in means],
+            yerr=[np.std(v, ddof=1) if len(v) > 1 else 0 for v in means],
+            fmt="o",
+            capsize=3,
         )
-        ax.set_ylabel("accuracy (%) per random mask")
-        ax.set_title("random patch occlusion, masks of all seeds", fontsize=9)
-        ax.legend(fontsize=8)
-        paths.append(save(fig, out, "occlusion_boxplots.png"))
-    cos = {
-        m: [
-            v
-            for s in seeds
-            for v in records[m][s]["results"]
-            .get("attention_stability", {})
-            .get("per_image_values", [])
-        ]
-        for m in methods
-    }
-    if any(cos.values()):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        bins = np.linspace(min(min(v) for v in cos.values() if v), 1.0, 30)
-        for m in methods:
-            ax.hist(cos[m], bins=bins, histtype="step", linewidth=1.5, label=LABELS.get(m, m))
-        ax.set_xlabel("per-image attention Cos-Sim, clean vs occluded")
-        ax.set_ylabel("images (all seeds)")
-        ax.legend(fontsize=8)
-        paths.append(save(fig, out, "cos_sim_histograms.png"))
-    first = seeds[0]
-    for method, name in (
-        ("clean", "attention_maps_0.png"),
-        ("rspc", "attention_maps_0.png"),
-        ("rspc", "learned_masks.png"),
-    ):
-        source = os.path.join(workdir, "runs", f"{method}_s{first}", "eval", "figures", name)
-        if method in methods and os.path.exists(source):
-            target = os.path.join(out, f"{method}_{name}")
-            shutil.copyfile(source, target)
-            paths.append(target)
+        ax.set_xticks(range(len(methods)), [label(m) for m in methods], rotation=60, ha="right")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_ylabel("randomly occluded accuracy (%)")
+        ax.set_title(f"{setting}: mean ± std over seeds", fontsize=9)
+        paths.append(save(fig, out, f"{setting}_occluded_accuracy.png"))
+        for method in learned[:1]:
+            source = os.path.join(
+                workdir, "runs", setting, f"{_slug(method)}_s{first}", "eval", "figures"
+            )
+            source = os.path.join(source, "learned_masks.png")
+            if os.path.exists(source):
+                target = os.path.join(out, f"{setting}_learned_masks.png")
+                shutil.copyfile(source, target)
+                paths.append(target)
     return paths
 
 
-def write_results(records: dict, workdir: str, methods, seeds, figure_paths, command: str) -> str:
-    rows = {m: [summarise(records[m][s]["results"]) for s in seeds] for m in methods}
-    metrics = list(dict.fromkeys(k for m in methods for r in rows[m] for k in r))
-    seconds = sum(
-        records[m][s]["train_seconds"] + records[m][s]["eval_seconds"]
-        for m in methods
+def write_results(records: dict, config, workdir: str, figure_paths, command: str) -> str:
+    seeds = list(config.study.seeds)
+    settings = config.study.settings
+    rows = {
+        setting: {m: [summarise(records[setting][m][s]) for s in seeds] for m in spec.methods}
+        for setting, spec in settings.items()
+    }
+    seconds = [
+        records[setting][m][s]["train_seconds"] + records[setting][m][s]["eval_seconds"]
+        for setting, spec in settings.items()
+        for m in spec.methods
         for s in seeds
-    )
+    ]
     lines = [
-        "# Small-scale study: RSPC's effects on the embedded digits",
+        "# Small-scale study: learned against random patch selection on the digits",
         "",
         f"Command: `{command}`",
         "",
         f"Hardware: {platform.machine()} CPU, {os.cpu_count()} cores; "
         f"JAX {jax.__version__} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
-        f"Python {platform.python_version()}. Wall-clock of all runs: {seconds / 60:.1f} min.",
+        f"Python {platform.python_version()}. {len(seconds)} runs; wall-clock of all runs "
+        f"(train + evaluate): {sum(seconds) / 60:.1f} min.",
         "",
-        f"Seeds {list(seeds)}; every number is mean ± std over the seeds (percent).",
+        f"Seeds {seeds}; every number is mean ± std over the seeds. Accuracies and Cos-Sim in "
+        "percent. 'occluded': mean accuracy over the random masks of each test image; "
+        "λ·L_align/CE and the training entropies come from the training log (the first and "
+        "the last log step); the 'C:' columns describe C's masks on the test set (with random "
+        "selection C is never updated, so they show C at initialisation): distinct masks (of the test images), entropy of the per-position "
+        "frequency (1 = uniform, 0 = one mask), mean IoU of two images' masks, fraction of "
+        "selected patches on the digit.",
         "",
-        "| metric | " + " | ".join(LABELS.get(m, m) for m in methods) + " |",
-        "|---|" + "---:|" * len(methods),
+        "## Headline: randomly occluded accuracy (%)",
+        "",
     ]
-    for metric in metrics:
-        cells = []
-        for m in methods:
-            values = [r[metric] for r in rows[m] if metric in r]
-            cells.append(_mean_std(values) if values else "—")
-        lines.append(f"| {metric} | " + " | ".join(cells) + " |")
+    headline = [m for m in HEADLINE if any(m in spec.methods for spec in settings.values())]
     lines += [
-        "",
-        "Wall-clock per run (train + evaluate):",
-        "",
-        "| run | train s | evaluate s |",
-        "|---|---:|---:|",
+        "| method | " + " | ".join(settings) + " |",
+        "|---|" + "---:|" * len(settings),
     ]
-    lines += [
-        f"| {m} seed {s} | {records[m][s]['train_seconds']} | {records[m][s]['eval_seconds']} |"
-        for m in methods
-        for s in seeds
-    ]
-    if {"clean", "rspc"} <= set(methods):
-        lines += [
-            "",
-            "RSPC against the plain baseline (differences of the seed means, points):",
-            "",
+    for method in headline:
+        cells = [
+            _cell([r["occluded"] for r in rows[s][method]], "occluded")
+            if method in rows[s]
+            else "—"
+            for s in settings
         ]
-        for metric in (
-            "occluded accuracy, mean over masks",
-            "attention Cos-Sim, mean",
-            "clean accuracy",
-        ):
-            plain = [r[metric] for r in rows["clean"] if metric in r]
-            ours = [r[metric] for r in rows["rspc"] if metric in r]
-            if plain and ours:
-                lines.append(f"- {metric}: {100 * (np.mean(ours) - np.mean(plain)):+.2f}")
-    lines += ["", "Figures:", ""]
+        lines.append(f"| {label(method)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Learned against random selection (paired by seed, points)",
+        "",
+        "| setting | method | occluded: learned − random | per seed | Cos-Sim: learned − random |",
+        "|---|---|---:|---|---:|",
+    ]
+    for setting in settings:
+        for method, occluded, cos in learned_vs_random(rows[setting], seeds):
+            per_seed = ", ".join(f"{100 * d:+.2f}" for d in occluded)
+            lines.append(
+                f"| {setting} | {label(method)} | {_cell(occluded, 'occluded')} | {per_seed} | "
+                f"{_cell(cos, 'Cos-Sim')} |"
+            )
+    for setting, spec in settings.items():
+        metrics = list(dict.fromkeys(k for m in spec.methods for r in rows[setting][m] for k in r))
+        lines += ["", f"## {setting}: {spec.about}", ""]
+        lines += _table({label(m): rows[setting][m] for m in spec.methods}, metrics, "method")
+    lines += [
+        "",
+        "## Wall-clock per run (seconds, train + evaluate)",
+        "",
+        "| setting | method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+        "|---|---|" + "---:|" * len(seeds),
+    ]
+    for setting, spec in settings.items():
+        for m in spec.methods:
+            cells = [
+                f"{records[setting][m][s]['train_seconds'] + records[setting][m][s]['eval_seconds']:.0f}"
+                for s in seeds
+            ]
+            lines.append(f"| {setting} | {label(m)} | " + " | ".join(cells) + " |")
+    lines += ["", "## Figures", ""]
     lines += [f"![{os.path.basename(p)}]({os.path.relpath(p, workdir)})" for p in figure_paths]
     path = os.path.join(workdir, "results.md")
     with open(path, "w") as f:
@@ -242,16 +369,18 @@ def write_results(records: dict, workdir: str, methods, seeds, figure_paths, com
 
 
 def run_study(config, workdir: str, command: str) -> str:
-    methods, seeds = list(config.study.methods), list(config.study.seeds)
-    records = {m: {} for m in methods}
-    for seed in seeds:
-        for method in methods:
-            logging.info(f"== {method}, seed {seed}")
-            records[method][seed] = run_one(
-                method_config(config, method, seed),
-                os.path.join(workdir, "runs", f"{method}_s{seed}"),
-            )
+    check(config)
+    settings = config.study.settings
+    records = {setting: {m: {} for m in spec.methods} for setting, spec in settings.items()}
+    for seed in config.study.seeds:
+        for setting, spec in settings.items():
+            for method in spec.methods:
+                logging.info(f"== {setting}: {method}, seed {seed}")
+                records[setting][method][seed] = run_one(
+                    run_config(config, setting, method, seed),
+                    os.path.join(workdir, "runs", setting, f"{_slug(method)}_s{seed}"),
+                )
     if jax.process_index() != 0:
         return ""
-    paths = figures(records, workdir, methods, seeds)
-    return write_results(records, workdir, methods, seeds, paths, command)
+    paths = figures(records, config, workdir)
+    return write_results(records, config, workdir, paths, command)

@@ -37,7 +37,8 @@ def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
                 "the learning rate (config.optimizer.lr), or check the data; rerunning resumes "
                 "from the last checkpoint."
             )
-    return {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0] if k != "nonfinite"}
+    means = {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0] if k != "nonfinite"}
+    return {k: float(v) if v.ndim == 0 else v.tolist() for k, v in means.items()}
 
 
 class MetricsWriteError(ReportedError, OSError):
@@ -119,16 +120,19 @@ class MetricsLogger:
         """Times throughput from here (after compilation / evaluation pauses)."""
         self._last_time, self._last_step = time.time(), step
 
-    def write(self, step: int, scalars: dict, prefix: str) -> None:
-        scalars = {f"{prefix}/{k}": v for k, v in scalars.items()}
+    def write(self, step: int, metrics: dict, prefix: str) -> None:
+        """Scalars go everywhere; vectors (e.g. C's per-position selection frequency) only to
+        metrics.jsonl, as lists."""
+        metrics = {f"{prefix}/{k}": v for k, v in metrics.items()}
         if prefix == "train":
-            scalars.update({f"train/{k}": v for k, v in self._throughput(step).items()})
+            metrics.update({f"train/{k}": v for k, v in self._throughput(step).items()})
+        scalars = {k: v for k, v in metrics.items() if not isinstance(v, list)}
         if not self.enabled:
             return
         try:
             self._writer.write_scalars(step, scalars)
             with tf.io.gfile.GFile(self.jsonl_path, "a") as f:  # local or gs://
-                f.write(json.dumps({"step": step, **scalars}) + "\n")
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
         except (OSError, tf.errors.OpError) as error:
             raise MetricsWriteError(
                 f"cannot write the metrics of step {step} to {self.jsonl_path} ({error}); "
