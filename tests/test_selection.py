@@ -66,6 +66,8 @@ def test_the_train_log_and_the_report_carry_the_statistics(demo_run, digits_data
     chosen = results["patch_occlusion"]["selection"]
     assert 1 <= chosen["distinct_masks"] <= 297
     assert 0 <= chosen["entropy"] <= 1 and 0 <= chosen["on_object"] <= 1
+    assert 0 <= chosen["blank_mask_iou"] <= 1
     assert sum(chosen["position_frequency"]) == pytest.approx(2.0)  # 2 of 16 per image
     report = (tmp_path / "report.md").read_text()
     assert "C: distinct masks" in report and "C: selected patches on the object" in report
+    assert "C: mask IoU with its mask of a blank image" in report

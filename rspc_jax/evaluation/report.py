@@ -82,6 +82,13 @@ def _rows(name: str, result: dict) -> list[tuple[str, str]]:
             ]
             if "on_object" in chosen:
                 rows.append(("C: selected patches on the object (%)", _pct(chosen["on_object"])))
+            if "blank_mask_iou" in chosen:
+                rows.append(
+                    (
+                        "C: mask IoU with its mask of a blank image",
+                        f"{chosen['blank_mask_iou']:.3f}",
+                    )
+                )
         return rows + [
             ("occluded patches", f"{result['occluded_patches']} of {result['num_patches']}"),
             ("masks per image", str(result["masks_per_image"])),

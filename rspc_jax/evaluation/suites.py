@@ -172,6 +172,8 @@ def patch_occlusion(ctx: Context) -> dict:
     if learned:
         result["learned_mask_accuracy"] = float(out["learned"].mean())
         result["selection"] = _selection_statistics(out["learned_occluded"], out.get("on_object"))
+        if ctx.spec.background is not None:
+            result["selection"]["blank_mask_iou"] = _blank_mask_iou(ctx, out["learned_occluded"])
         result["figures"] = dict(learned_masks=_learned_mask_examples(ctx))
     return result
 
@@ -189,6 +191,18 @@ def _selection_statistics(occluded: np.ndarray, on_object=None, pairs_of: int = 
     if on_object is not None:
         stats["on_object"] = float((occluded * on_object).sum() / max(occluded.sum(), 1))
     return stats
+
+
+def _blank_mask_iou(ctx: Context, occluded: np.ndarray) -> float:
+    """Mean IoU of each image's mask with C's mask of an image of pure background: 1 when C's
+    choice comes from the background alone (the same for every image), not from the object."""
+    size = ctx.config.image_size
+    background = (ctx.spec.background - np.asarray(ctx.spec.mean)) / np.asarray(ctx.spec.std)
+    blank = jnp.broadcast_to(jnp.asarray(background, jnp.float32), (1, size, size, 3))
+    blank_occluded = np.asarray(_learned_keep(ctx, blank)[0] == 0)
+    intersection = (occluded.astype(bool) & blank_occluded).sum(axis=1)
+    union = (occluded.astype(bool) | blank_occluded).sum(axis=1)
+    return float(np.mean(intersection / np.maximum(union, 1)))
 
 
 def _distribution(values: np.ndarray) -> dict:

@@ -157,6 +157,8 @@ def summarise(record: dict) -> dict:
         row["C: mask IoU"] = chosen["mask_iou"]
         if "on_object" in chosen:
             row["C: on object"] = chosen["on_object"]
+        if "blank_mask_iou" in chosen:
+            row["C: IoU with blank's mask"] = chosen["blank_mask_iou"]
     return row
 
 
