@@ -17,7 +17,8 @@ Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
 no official training log gives the ratio lambda * L_align / CE at ImageNet scale; the study
 reports the ratio each value gives. `:smoke` runs a few steps of two settings and two methods
-(the test suite checks that it writes every file).
+(the test suite checks that it writes every file). One run of the base setting (centred16,
+RSPC) alone: `python -m rspc_jax.main --config=configs/demo_study.py --workdir=runs/one`.
 """
 
 import importlib.util
