@@ -29,6 +29,7 @@ VARIANTS.update(
         ],
         "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
         "cifar10_xcit_s12_adv.py": [None, "smoke"],
+        "demo_study.py": [None, "smoke"],
     }
 )
 
