@@ -121,6 +121,35 @@ def test_digits_builder_prepares_offline(tmp_path, no_network):
     )
 
 
+def test_canvas_digits_hold_each_digit_unchanged_at_varying_places(tmp_path, no_network):
+    """Offline like the digits; each canvas holds its digit's pixels exactly, in a window that
+    moves from image to image; the spec's mean and std are those of the training images."""
+    from rspc_jax.data import sklearn_digits
+
+    builder = datasets.get_builder("sklearn_digits_canvas", str(tmp_path))
+    splits = builder.info.splits
+    assert (splits["train"].num_examples, splits["test"].num_examples) == (1500, 297)
+    digits, _ = sklearn_digits._load_uint8_digits()
+    canvas = sklearn_digits.place_on_canvas(digits, np.random.default_rng(0))
+    assert canvas.shape == (1797, 16, 16, 1)
+    places = []
+    for digit, image in zip(digits[:200], canvas[:200], strict=True):
+        found = [
+            (top, left)
+            for top in range(9)
+            for left in range(9)
+            if np.array_equal(image[top : top + 8, left : left + 8], digit)
+            and image.sum() == digit.sum()  # nothing outside the window
+        ]
+        assert found, "a canvas does not hold its digit unchanged"
+        places.append(found[0])
+    assert len(set(places)) > 40  # the digit's place varies (81 possible)
+    spec = datasets.dataset_spec("sklearn_digits_canvas")
+    train_pixels = canvas[:1500] / 255.0
+    assert spec.mean[0] == pytest.approx(train_pixels.mean(), abs=1e-4)
+    assert spec.std[0] == pytest.approx(train_pixels.std(), abs=1e-4)
+
+
 def test_train_batches_shapes_dtypes_and_normalisation(digits_data_dir):
     batch = next(digits_train(digits_data_dir, image_size=32, augment="digits"))
     assert batch["image"].shape == (8, 32, 32, 3)

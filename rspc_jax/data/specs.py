@@ -46,11 +46,11 @@ class DatasetSpec:
     background: float | None = None
 
 
-# Digits: grey pixel mean/std of the 1500 training images after the builder's
-# 0..255 scaling (nearest upsampling leaves them unchanged), on all 3 channels.
 # Datasets built from a package on first use (no download).
 _OFFLINE = ("sklearn_digits", "sklearn_digits_canvas")
 
+# Digits: grey pixel mean/std of the 1500 training images after the builder's
+# 0..255 scaling (nearest upsampling leaves them unchanged), on all 3 channels.
 _SPECS = {
     "sklearn_digits": DatasetSpec(
         name="sklearn_digits",
@@ -156,7 +156,7 @@ def _tfds_is_mocked() -> bool:
 def get_builder(name: str, data_dir: str | None) -> tfds.core.DatasetBuilder:
     """Returns the prepared builder of `name`; never downloads.
 
-    The digits are prepared on first use (it needs no network); any other
+    The digits are prepared on first use (they need no network); any other
     dataset that is missing raises `DatasetNotFoundError`.
     """
     data_dir = _resolve_data_dir(data_dir)
