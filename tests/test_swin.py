@@ -14,11 +14,10 @@ import pytest
 
 from rspc_jax import models, parallel
 from rspc_jax.data import specs as datasets
-from rspc_jax.data import train as train_data
 from rspc_jax.interop import layout as torch_layout
 from rspc_jax.models import swin
 from rspc_jax.training import setup
-from tests.conftest import run_python, smoke_config
+from tests.conftest import first_batches, run_python, smoke_config
 
 # timm 1.0.31, 1000 classes (docs/models.md, 'Swin').
 PARAMETERS = {
@@ -79,18 +78,10 @@ def rspc_train_step(data_dir: str, name: str, overrides: dict):
     setup.check_model_fits(config, model)
     mesh = parallel.create_mesh()
     parts = setup.build(config, model, spec, mesh, steps_per_epoch=10, total_steps=10)
-    batches = train_data.train_iterator(
-        dataset=config.dataset,
-        data_dir=config.data_dir,
-        split="train",
-        image_size=config.image_size,
-        local_batch_size=config.batch_size,
-        seed=0,
-        augment="none",
-    )
+    (batch,) = first_batches(config)
     state = parts.init(jax.random.PRNGKey(0))
     before = jax.device_get(state)  # the step donates its input
-    after, metrics = parts.train_step(state, parallel.to_global(next(batches), mesh))
+    after, metrics = parts.train_step(state, parallel.to_global(batch, mesh))
     return before, jax.device_get(after), jax.device_get(metrics)
 
 

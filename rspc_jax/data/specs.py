@@ -63,18 +63,6 @@ _SPECS = {
         manual_download=False,
         background=0.0,
     ),
-    # The same digits on a 16x16 canvas (mean and std of its 1500 training images).
-    "sklearn_digits_canvas": DatasetSpec(
-        name="sklearn_digits_canvas",
-        num_classes=10,
-        train_split="train",
-        eval_split="test",
-        image_size=32,
-        mean=(0.0763,) * 3,
-        std=(0.2293,) * 3,
-        manual_download=False,
-        background=0.0,
-    ),
     "cifar10": DatasetSpec(
         name="cifar10",
         num_classes=10,
@@ -106,6 +94,11 @@ _SPECS = {
         manual_download=True,
     ),
 }
+
+# The same digits on a 16x16 canvas (mean and std of its 1500 training images).
+_SPECS["sklearn_digits_canvas"] = dataclasses.replace(
+    _SPECS["sklearn_digits"], name="sklearn_digits_canvas", mean=(0.0763,) * 3, std=(0.2293,) * 3
+)
 
 # Files that the manual-download datasets expect in <data_dir>/downloads/manual.
 _MANUAL_FILES = {

@@ -196,7 +196,7 @@ def learned_vs_random(rows: dict, seeds) -> list[tuple]:
     difference per seed) for every method pair that differs only in the selection."""
     pairs = []
     for method in rows:
-        name, fields = parse_method(method)
+        name, _ = parse_method(method)
         twin = " ".join(["random_patches", *method.split()[1:]])
         if name == "rspc" and twin in rows:
             pairs.append(
