@@ -51,7 +51,7 @@ class TalkingHeadAttn(nn.Module):
         head_dim = dim // self.num_heads
         qkv = _dense(3 * dim, "qkv", self.qkv_bias)(x)
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
+        q, k, v = jnp.unstack(qkv)  # see layers.Attention
         logits = _mix_heads(jnp.einsum("bhqd,bhkd->bhqk", q * head_dim**-0.5, k), "proj_l")
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         mixed = nn.Dropout(self.dropout, deterministic=not train)(_mix_heads(attn, "proj_w"))

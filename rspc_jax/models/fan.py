@@ -298,7 +298,7 @@ class TokenMixing(nn.Module):
         kv = _dense(2 * dim, "kv", self.qkv_bias)(x).reshape(
             batch, tokens, 2, self.num_heads, head_dim
         )
-        k, v = kv[:, :, 0], kv[:, :, 1]
+        k, v = jnp.unstack(kv, axis=2)  # see layers.Attention
         logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)

@@ -117,7 +117,7 @@ class WindowAttention(nn.Module):
         bias = table[relative_position_index(self.window)].transpose(2, 0, 1)  # (heads, T, T)
         qkv = _dense(3 * dim, "qkv", self.qkv_bias)(x)
         qkv = qkv.reshape(batch, windows, tokens, 3, heads, head_dim).transpose(3, 0, 1, 4, 2, 5)
-        q, k, v = qkv[0], qkv[1], qkv[2]  # (B, windows, heads, T, head_dim)
+        q, k, v = jnp.unstack(qkv)  # (B, windows, heads, T, head_dim); see layers.Attention
         logits = jnp.einsum("bwhqd,bwhkd->bwhqk", q * head_dim**-0.5, k) + bias.astype(x.dtype)
         if mask is not None:
             logits = logits + jnp.asarray(mask, x.dtype)[:, None]

@@ -38,7 +38,8 @@ class XCA(nn.Module):
         qkv = fan._dense(3 * dim, "qkv", self.qkv_bias)(x).reshape(
             batch, tokens, 3, heads, head_dim
         )
-        q, k, v = (_l2_normalize(qkv[:, :, i], axis=1) if i < 2 else qkv[:, :, i] for i in range(3))
+        q, k, v = jnp.unstack(qkv, axis=2)  # see layers.Attention
+        q, k = _l2_normalize(q, axis=1), _l2_normalize(k, axis=1)
         logits = jnp.einsum("bnhc,bnhd->bhcd", q, k) * temperature
         attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bhcd,bnhd->bnhc", attn, v).reshape(batch, tokens, dim)
