@@ -15,7 +15,8 @@ of rspc_jax.training.ablations (the adversarial-training baselines of the paper'
     python -m rspc_jax.benchmark --config=configs/deit_s.py --batch=8 --steps=5 --compare_timm
 
 `--compare_timm` then times timm's train step of the same model in a fresh process
-(rspc_jax.tools.timm_step) and prints our steps' time ratio to it and both peak memories.
+(rspc_jax.tools.timm_step), alternating with more of our steps for `--rounds` rounds, and
+prints the median time ratio and both peak memories.
 
     python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.compute_dtype=bfloat16 --memory --variants=rspc --slices=v3-8,v4-8
 
@@ -52,6 +53,12 @@ _COMPARE_TIMM = flags.DEFINE_bool(
     "Also time timm's train step of the same model (ViT/DeiT, XCiT) in a subprocess and print "
     "the time and peak-memory ratios (needs requirements-torch.txt).",
 )
+_ROUNDS = flags.DEFINE_integer(
+    "rounds",
+    3,
+    "With --compare_timm: timm's steps and ours alternate this many times (--steps each), "
+    "so that the machine's drift does not bias the ratio.",
+)
 _MEMORY = flags.DEFINE_bool(
     "memory",
     False,
@@ -82,10 +89,14 @@ def main(argv):
         memory_plan(config)
         return
     results = benchmark.print_table(
-        config, _VARIANTS.value.split(","), _STEPS.value, profile_dir=_PROFILE_DIR.value
+        config,
+        _VARIANTS.value.split(","),
+        _STEPS.value,
+        profile_dir=_PROFILE_DIR.value,
+        keep_timers=_COMPARE_TIMM.value,
     )
     if _COMPARE_TIMM.value:
-        benchmark.compare_with_timm(config, results, _STEPS.value)
+        benchmark.compare_with_timm(config, results, _STEPS.value, _ROUNDS.value)
 
 
 def memory_plan(config):

@@ -1,22 +1,25 @@
 """The benchmark script runs at smoke size and prints both steps, their ratio, XLA's FLOP
 count (RSPC's step does at least twice the plain step's work) and memory estimate."""
 
+import os
 import re
 
 from rspc_jax.tools import benchmark, profiling
 from tests.conftest import run_python
 
-_ROW = r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+\s+\d+\.\d+\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)$"
+_ROW = (
+    r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+\s+\d+\.\d+\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)"
+    r"\s+(\d+\.\d+)$"
+)
 
 
-def _benchmark(*extra):
+def _benchmark(*extra, config="configs/demo.py:smoke"):
     result = run_python(
         [
             "-m",
             "rspc_jax.benchmark",
-            "--config=configs/demo.py:smoke",
+            f"--config={config}",
             "--steps=2",
-            "--batch=8",
             *extra,
         ],
         timeout=300,
@@ -26,7 +29,7 @@ def _benchmark(*extra):
 
 
 def test_benchmark_prints_plain_rspc_ratio_flops_and_memory():
-    out = _benchmark()
+    out = _benchmark("--batch=8")
     plain = re.search(_ROW.format("plain"), out, re.M)
     rspc = re.search(_ROW.format("rspc"), out, re.M)
     assert plain and rspc, out
@@ -36,6 +39,8 @@ def test_benchmark_prints_plain_rspc_ratio_flops_and_memory():
     plain_flops, rspc_flops = float(plain.group(4)), float(rspc.group(4))
     assert plain_flops > 0 and rspc_flops >= 1.9 * plain_flops
     assert int(rspc.group(6)) > 0
+    for row in (plain, rspc):  # cores busy: CPU time over wall time, at most every core
+        assert 0 < float(row.group(8)) <= os.cpu_count() + 0.1
 
 
 def test_peak_flops_by_device_kind_and_dtype():
@@ -52,9 +57,9 @@ def test_benchmark_counts_every_scanned_block_and_micro_batch():
     rows = [
         re.search(_ROW.format("plain"), out, re.M).group(4)
         for out in (
-            _benchmark("--variants=plain"),
-            _benchmark("--variants=plain", "--config.scan_blocks=True"),
-            _benchmark("--variants=plain", "--config.grad_accum_steps=2"),
+            _benchmark("--batch=8", "--variants=plain"),
+            _benchmark("--batch=8", "--variants=plain", "--config.scan_blocks=True"),
+            _benchmark("--batch=8", "--variants=plain", "--config.grad_accum_steps=2"),
         )
     ]
     assert rows[0] == rows[1] == rows[2]
@@ -97,6 +102,30 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     described = profiling.describe_ops(hlo)
     assert described["dot.3"] == "dot"
     assert described["loop_fusion"] in ("fusion: exponential, add", "fusion: add, exponential")
+
+
+def test_compare_timm_alternates_rounds_and_prints_the_ratio():
+    """timm's step (a fresh process per round) alternates with ours; the ratio is of the
+    medians over all rounds."""
+    out = _benchmark(
+        "--config.model_name=deit_tiny_patch16_224",
+        "--config.image_size=32",
+        "--batch=2",
+        "--rounds=2",
+        "--variants=plain",
+        "--compare_timm",
+        config="configs/deit_s.py",
+    )
+    assert "2 interleaved rounds of 2 steps each" in out, out
+    row = r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)\s+(\d+\.\d+)$"
+    timm = re.search(row.format("timm"), out, re.M)
+    plain = re.search(row.format("plain"), out, re.M)
+    assert timm and plain, out
+    assert float(timm.group(2)) == 1.0
+    ratio = float(plain.group(1)) / float(timm.group(1))
+    assert abs(float(plain.group(2)) - ratio) < 0.01
+    for match in (timm, plain):
+        assert int(match.group(3)) > 0 and 0 < float(match.group(4)) <= os.cpu_count() + 0.1
 
 
 def test_compare_timm_refuses_a_model_timm_does_not_have():

@@ -72,9 +72,13 @@ def _train_parts(config, spec, mesh):
     return setup.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
 
 
-def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
+def time_step(
+    config, spec, batch, steps: int, profile_dir: str = "", keep_timer: bool = False
+) -> dict:
     """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`; with
-    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops')."""
+    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops'); with
+    `keep_timer`, adds 'time_steps' (n -> seconds of n more steps, and cores busy), which
+    keeps the compiled step and its state alive for later rounds."""
     mesh = parallel.create_mesh()
     parts = _train_parts(config, spec, mesh)
     state = parts.init(jax.random.PRNGKey(config.seed))
@@ -83,24 +87,26 @@ def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
     lowered = parts.train_step.lower(state, global_batch)
     compiled = lowered.compile()
     compile_sec = time.perf_counter() - start
-    state, metrics = compiled(state, global_batch)  # warm-up: first-run allocations
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, metrics = compiled(state, global_batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
+
+    def time_steps(count: int) -> tuple[list[float], float]:
+        """Seconds of each of `count` more steps, and the process's CPU time over their
+        wall time (how many cores the step keeps busy)."""
+        nonlocal state
+        times = []
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        for _ in range(count):
+            start = time.perf_counter()
+            state, metrics = compiled(state, global_batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        return times, (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
+
+    time_steps(1)  # warm-up: first-run allocations
+    times, cores_busy = time_steps(steps)
     median = statistics.median(times)
     top = None
     if profile_dir:
-
-        def run_step():
-            nonlocal state
-            state, metrics = compiled(state, global_batch)
-            jax.block_until_ready(metrics)
-
-        trace_file = profiling.trace(run_step, 2, profile_dir)
+        trace_file = profiling.trace(lambda: time_steps(1), 2, profile_dir)
         hlo = compiled.as_text()
         with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
             f.write(hlo)  # the optimised HLO the trace's op names refer to
@@ -125,12 +131,17 @@ def time_step(config, spec, batch, steps: int, profile_dir: str = "") -> dict:
         step_bytes=compiled_bytes(compiled),
         peak_bytes=stats.get("peak_bytes_in_use"),
         top_ops=top,
+        cores_busy=cores_busy,
+        **({"time_steps": time_steps} if keep_timer else {}),
     )
 
 
-def print_table(config, variants: list[str], steps: int, profile_dir: str = "") -> dict:
+def print_table(
+    config, variants: list[str], steps: int, profile_dir: str = "", keep_timers: bool = False
+) -> dict:
     """Times every variant of `config` on one random batch and prints the table (and, with
-    `profile_dir`, each variant's top ops from a profiler trace in <profile_dir>/<variant>)."""
+    `profile_dir`, each variant's top ops from a profiler trace in <profile_dir>/<variant>);
+    `keep_timers` keeps each variant's 'time_steps' for `compare_with_timm`'s rounds."""
     setup.validate_config(config)
     spec = datasets.dataset_spec(config.dataset)
     rng = np.random.default_rng(0)
@@ -147,6 +158,7 @@ def print_table(config, variants: list[str], steps: int, profile_dir: str = "") 
             batch,
             steps,
             profile_dir=os.path.join(profile_dir, name) if profile_dir else "",
+            keep_timer=keep_timers,
         )
     print(
         f"model {config.model_name}, global batch {config.batch_size} clean images per step "
@@ -157,7 +169,7 @@ def print_table(config, variants: list[str], steps: int, profile_dir: str = "") 
     print(
         f"{'step':<20} {'compile s':>10} {'median step s':>14} {'images/s':>10} "
         f"{'steps/s':>8} {'x ' + first:>10} {'GFLOP/step':>11} {'MFU':>6} "
-        f"{'XLA MiB':>8} {'peak MiB':>9}"
+        f"{'XLA MiB':>8} {'peak MiB':>9} {'cores busy':>11}"
     )
     for name, r in results.items():
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
@@ -166,12 +178,14 @@ def print_table(config, variants: list[str], steps: int, profile_dir: str = "") 
             f"{name:<20} {r['compile_sec']:>10.2f} {r['median_sec']:>14.4f} "
             f"{r['images_per_sec']:>10.1f} {1 / r['median_sec']:>8.2f} "
             f"{r['median_sec'] / results[first]['median_sec']:>10.2f} "
-            f"{r['flops'] / 1e9:>11.4g} {mfu:>6} {r['step_bytes'] / 2**20:>8.0f} {peak:>9}"
+            f"{r['flops'] / 1e9:>11.4g} {mfu:>6} {r['step_bytes'] / 2**20:>8.0f} {peak:>9} "
+            f"{r['cores_busy']:>11.2f}"
         )
     print(
         "GFLOP/step: XLA's cost analysis of one device's step as lowered; MFU against the device's "
         "dense peak for the compute dtype (n/a where unknown, e.g. CPU); XLA MiB: its "
-        "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators)."
+        "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators); "
+        "cores busy: the process's CPU time over the wall time of the timed steps."
     )
     if {"plain", "rspc"} <= set(results):
         ratio = results["rspc"]["median_sec"] / results["plain"]["median_sec"]
@@ -192,9 +206,13 @@ def variant_config(config, name: str):
     return ablations.apply(config, name)
 
 
-def compare_with_timm(config, results: dict, steps: int) -> dict:
-    """Times timm's step of `config.model_name` in a fresh process and prints it beside our
-    steps: time ratio ours / timm (< 1 = we are faster) and both peak resident memories."""
+def compare_with_timm(config, results: dict, steps: int, rounds: int) -> dict:
+    """Times timm's step of `config.model_name` in a fresh process, `rounds` times, each
+    round followed by `steps` more steps of each of our variants (from `print_table` with
+    `keep_timers`), and prints the medians over all rounds: the time ratio ours / timm
+    (< 1 = we are faster), both peak resident memories and the cores each keeps busy.
+    Interleaving the rounds keeps the machine's drift (10-20% over minutes on shared
+    CPUs) out of the ratio."""
     spec = datasets.dataset_spec(config.dataset)
     command = [
         sys.executable,
@@ -209,25 +227,39 @@ def compare_with_timm(config, results: dict, steps: int) -> dict:
         f"--label_smoothing={config.label_smoothing}",
         f"--ema_decay={config.ema_decay}",
     ]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise SystemExit(f"--compare_timm: timm's step failed: {reason}")
-    timm = json.loads(done.stdout.strip().splitlines()[-1])
-    ours_rss = timm_step.peak_rss_bytes()
+    samples = {"timm": [], **{name: [] for name in results}}
+    busy = {name: [] for name in samples}
+    for _ in range(rounds):
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SystemExit(f"--compare_timm: timm's step failed: {reason}")
+        timm = json.loads(done.stdout.strip().splitlines()[-1])
+        samples["timm"] += timm["times"]
+        busy["timm"].append(timm["cores_busy"])
+        for name, r in results.items():
+            r["time_steps"](1)  # warm-up: the threads idled while timm ran
+            times, cores = r["time_steps"](steps)
+            samples[name] += times
+            busy[name].append(cores)
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    rss = {"timm": timm["peak_rss_bytes"], **{name: timm_step.peak_rss_bytes() for name in results}}
     print(
-        f"\nside by side with {timm['framework']} (same model, batch, drop path, smoothing, EMA):"
+        f"\nside by side with {timm['framework']} (same model, batch, drop path, smoothing, "
+        f"EMA), {rounds} interleaved rounds of {steps} steps each:"
     )
-    print(f"{'step':<20} {'median step s':>14} {'x timm (time)':>14} {'peak RSS MiB':>13}")
     print(
-        f"{'timm':<20} {timm['median_sec']:>14.4f} {1.0:>14.2f} "
-        f"{timm['peak_rss_bytes'] / 2**20:>13.0f}"
+        f"{'step':<20} {'median step s':>14} {'x timm (time)':>14} {'peak RSS MiB':>13} "
+        f"{'cores busy':>11}"
     )
-    for name, r in results.items():
-        ratio = r["median_sec"] / timm["median_sec"]
-        print(f"{name:<20} {r['median_sec']:>14.4f} {ratio:>14.2f} {ours_rss / 2**20:>13.0f}")
+    for name, median in medians.items():
+        print(
+            f"{name:<20} {median:>14.4f} {median / medians['timm']:>14.2f} "
+            f"{rss[name] / 2**20:>13.0f} {statistics.mean(busy[name]):>11.2f}"
+        )
     print(
-        "peak RSS: ru_maxrss of each process (ours: every variant above, compiles included; "
-        "run --variants=plain alone for the plain step's own)."
+        "peak RSS: VmHWM of each process (ours: every variant above, compiles included; "
+        "run --variants=plain alone for the plain step's own). cores busy: CPU time over "
+        "wall time of the timed steps."
     )
-    return timm
+    return {"medians": medians, "framework": timm["framework"]}

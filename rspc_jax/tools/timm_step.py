@@ -6,7 +6,7 @@ side-by-side comparison of `python -m rspc_jax.benchmark --compare_timm`.
 One step is what our plain step does for a ViT/DeiT or XCiT config: a train-mode forward
 (drop path), soft-target cross-entropy with label smoothing, backward, AdamW, and the EMA
 update when `--ema_decay` > 0 (timm's ModelEmaV2). It runs in its own process so that its
-peak memory (ru_maxrss) is its own; the last line printed is a JSON record.
+peak memory (VmHWM) is its own; the last line printed is a JSON record.
 """
 
 import json
@@ -59,7 +59,9 @@ def time_timm_step(
         )
     torch.set_num_threads(threads or os.cpu_count())
     torch.manual_seed(0)
-    model = timm.create_model(model_name, num_classes=num_classes, drop_path_rate=drop_path)
+    model = timm.create_model(
+        model_name, num_classes=num_classes, drop_path_rate=drop_path, img_size=image_size
+    )
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     ema = ModelEmaV2(model, decay=ema_decay) if ema_decay > 0 else None
@@ -82,14 +84,18 @@ def time_timm_step(
 
     step()  # warm-up: first-run allocations
     times = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
     for _ in range(steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    cores_busy = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
     return dict(
         framework=f"PyTorch {torch.__version__}, timm {timm.__version__}",
         median_sec=statistics.median(times),
+        times=times,
         peak_rss_bytes=peak_rss_bytes(),
+        cores_busy=cores_busy,
         num_parameters=sum(p.numel() for p in model.parameters()),
     )
 
