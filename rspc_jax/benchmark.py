@@ -16,7 +16,13 @@ of rspc_jax.training.ablations (the adversarial-training baselines of the paper'
 
 `--compare_timm` then times timm's train step of the same model in a fresh process
 (rspc_jax.tools.timm_step), alternating with more of our steps for `--rounds` rounds, and
-prints the median time ratio and both peak memories.
+prints the median time ratio and both peak memories. `--compare_command` does the same with
+any reference step, e.g. the official RVT code's, from a script outside this repository
+(docs/speed.md, "Tools"):
+
+    python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.patch_aug=off --batch=8 --steps=5 \
+        --compare_command=plain='python /path/time_official.py plain {steps}' \
+        --compare_command=rspc='python /path/time_official.py rspc {steps}'
 
     python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.compute_dtype=bfloat16 --memory --variants=rspc --slices=v3-8,v4-8
 
@@ -27,6 +33,7 @@ that reach the config's global batch there (rspc_jax.tools.memory_plan).
 """
 
 import os
+import shlex
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -53,10 +60,19 @@ _COMPARE_TIMM = flags.DEFINE_bool(
     "Also time timm's train step of the same model (ViT/DeiT, XCiT) in a subprocess and print "
     "the time and peak-memory ratios (needs requirements-torch.txt).",
 )
+_COMPARE_COMMAND = flags.DEFINE_multi_string(
+    "compare_command",
+    [],
+    "VARIANT=COMMAND: a reference step for our variant VARIANT (e.g. the official PyTorch "
+    "code's, for RVT and FAN), run in a fresh process each round; '{steps}' in COMMAND "
+    "becomes --steps; its last printed line is a JSON record with 'times' (seconds per "
+    "step) and optionally 'peak_rss_bytes', 'cores_busy' and 'framework'. Repeatable.",
+)
 _ROUNDS = flags.DEFINE_integer(
     "rounds",
     3,
-    "With --compare_timm: timm's steps and ours alternate this many times (--steps each), "
+    "With --compare_timm or --compare_command: the reference steps and ours alternate this "
+    "many times (--steps each), "
     "so that the machine's drift does not bias the ratio.",
 )
 _MEMORY = flags.DEFINE_bool(
@@ -88,15 +104,36 @@ def main(argv):
     if _MEMORY.value:
         memory_plan(config)
         return
+    references = _references(config, benchmark)
     results = benchmark.print_table(
         config,
         _VARIANTS.value.split(","),
         _STEPS.value,
         profile_dir=_PROFILE_DIR.value,
-        keep_timers=_COMPARE_TIMM.value,
+        keep_timers=bool(references),
     )
+    if references:
+        benchmark.compare_side_by_side(results, references, _STEPS.value, _ROUNDS.value)
+
+
+def _references(config, benchmark) -> dict:
+    """variant -> (label, command) of the reference steps to alternate with ours."""
+    references = {}
     if _COMPARE_TIMM.value:
-        benchmark.compare_with_timm(config, results, _STEPS.value, _ROUNDS.value)
+        references["plain"] = ("timm", benchmark.timm_command(config, _STEPS.value))
+    for entry in _COMPARE_COMMAND.value:
+        variant, _, command = entry.partition("=")
+        if not command or variant not in _VARIANTS.value.split(","):
+            raise app.UsageError(
+                f"--compare_command={entry!r}: write VARIANT=COMMAND with VARIANT one of "
+                f"--variants ({_VARIANTS.value}), e.g. plain='python time_official.py plain "
+                "{steps}'"
+            )
+        if variant in references:
+            raise app.UsageError(f"two reference steps for variant {variant!r}")
+        label = f"ref:{variant}"
+        references[variant] = (label, shlex.split(command.replace("{steps}", str(_STEPS.value))))
+    return references
 
 
 def memory_plan(config):

@@ -13,6 +13,9 @@ _ROW = (
 )
 
 
+_SIDE_ROW = r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\S+)\s+(\d+)\s+(\d+\.\d+)$"
+
+
 def _benchmark(*extra, config="configs/demo.py:smoke"):
     result = run_python(
         [
@@ -117,15 +120,67 @@ def test_compare_timm_alternates_rounds_and_prints_the_ratio():
         config="configs/deit_s.py",
     )
     assert "2 interleaved rounds of 2 steps each" in out, out
-    row = r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)\s+(\d+\.\d+)$"
-    timm = re.search(row.format("timm"), out, re.M)
-    plain = re.search(row.format("plain"), out, re.M)
+    timm = re.search(_SIDE_ROW.format("timm"), out, re.M)
+    plain = re.search(_SIDE_ROW.format("plain"), out, re.M)
     assert timm and plain, out
-    assert float(timm.group(2)) == 1.0
+    assert float(timm.group(2)) == 1.0 and plain.group(3) == "timm"
     ratio = float(plain.group(1)) / float(timm.group(1))
     assert abs(float(plain.group(2)) - ratio) < 0.01
     for match in (timm, plain):
-        assert int(match.group(3)) > 0 and 0 < float(match.group(4)) <= os.cpu_count() + 0.1
+        assert int(match.group(4)) > 0 and 0 < float(match.group(5)) <= os.cpu_count() + 0.1
+
+
+def test_compare_command_pairs_each_variant_with_its_reference():
+    """A reference step of any framework: a command printing a JSON record of step times."""
+    fake = "python -c \"import json; print(json.dumps({'times': [%s] * {steps}}))\""
+    out = _benchmark(
+        "--batch=8",
+        "--rounds=2",
+        f"--compare_command=plain={fake % 0.5}",
+        f"--compare_command=rspc={fake % 4.0}",
+    )
+    assert "2 interleaved rounds of 2 steps each" in out, out
+    rows = {
+        name: re.search(
+            _SIDE_ROW.replace(r"(\d+)\s+(\d+\.\d+)$", r"(\S+)\s+(\S+)$").format(name), out, re.M
+        )
+        for name in ("ref:plain", "ref:rspc", "plain", "rspc")
+    }
+    assert all(rows.values()), out
+    assert float(rows["ref:plain"].group(1)) == 0.5 and float(rows["ref:rspc"].group(1)) == 4.0
+    for name, seconds in (("plain", 0.5), ("rspc", 4.0)):
+        assert rows[name].group(3) == f"ref:{name}"
+        assert abs(float(rows[name].group(2)) - float(rows[name].group(1)) / seconds) < 0.01
+
+
+def test_compare_command_refuses_unknown_variants_and_bad_records():
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.benchmark",
+            "--config=configs/demo.py:smoke",
+            "--variants=plain",
+            "--compare_command=rspc=true",
+        ],
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "write VARIANT=COMMAND with VARIANT one of --variants (plain)" in result.stderr
+    assert "Compil" not in result.stderr  # refused before anything is built
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.benchmark",
+            "--config=configs/demo.py:smoke",
+            "--steps=1",
+            "--batch=8",
+            "--variants=plain",
+            "--compare_command=plain=echo not json",
+        ],
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "must print, as its last line, a JSON record with 'times'" in result.stderr
 
 
 def test_compare_timm_refuses_a_model_timm_does_not_have():

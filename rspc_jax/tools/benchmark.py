@@ -206,15 +206,10 @@ def variant_config(config, name: str):
     return ablations.apply(config, name)
 
 
-def compare_with_timm(config, results: dict, steps: int, rounds: int) -> dict:
-    """Times timm's step of `config.model_name` in a fresh process, `rounds` times, each
-    round followed by `steps` more steps of each of our variants (from `print_table` with
-    `keep_timers`), and prints the medians over all rounds: the time ratio ours / timm
-    (< 1 = we are faster), both peak resident memories and the cores each keeps busy.
-    Interleaving the rounds keeps the machine's drift (10-20% over minutes on shared
-    CPUs) out of the ratio."""
+def timm_command(config, steps: int) -> list[str]:
+    """The command that times timm's step of `config.model_name` (rspc_jax.tools.timm_step)."""
     spec = datasets.dataset_spec(config.dataset)
-    command = [
+    return [
         sys.executable,
         "-m",
         "rspc_jax.tools.timm_step",
@@ -227,39 +222,72 @@ def compare_with_timm(config, results: dict, steps: int, rounds: int) -> dict:
         f"--label_smoothing={config.label_smoothing}",
         f"--ema_decay={config.ema_decay}",
     ]
-    samples = {"timm": [], **{name: [] for name in results}}
+
+
+def _run_reference(label: str, command: list[str]) -> dict:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SystemExit(f"the reference step {label!r} failed: {reason}")
+    lines = done.stdout.strip().splitlines()
+    try:
+        record = json.loads(lines[-1])
+        record["times"] = [float(t) for t in record["times"]]
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise SystemExit(
+            f"the reference step {label!r} must print, as its last line, a JSON record with "
+            f"'times' (seconds of each timed step); it printed {lines[-1:]!r}"
+        ) from None
+    return record
+
+
+def compare_side_by_side(results: dict, references: dict, steps: int, rounds: int) -> dict:
+    """Alternates, `rounds` times, each reference step (variant -> (label, command), run in
+    a fresh process that prints a JSON record with 'times' and optionally 'peak_rss_bytes',
+    'cores_busy' and 'framework') with `steps` more steps of each of our variants (from
+    `print_table` with `keep_timers`), and prints the medians over all rounds: each of our
+    variants' time ratio to the reference of the same variant (else the first one; < 1 =
+    we are faster), peak resident memories and cores kept busy. Interleaving keeps the
+    machine's drift (10-20% over minutes on shared CPUs) out of the ratios."""
+    samples = {label: [] for label, _ in references.values()} | {name: [] for name in results}
     busy = {name: [] for name in samples}
+    records = {}
     for _ in range(rounds):
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise SystemExit(f"--compare_timm: timm's step failed: {reason}")
-        timm = json.loads(done.stdout.strip().splitlines()[-1])
-        samples["timm"] += timm["times"]
-        busy["timm"].append(timm["cores_busy"])
+        for label, command in references.values():
+            records[label] = _run_reference(label, command)
+            samples[label] += records[label]["times"]
+            busy[label].append(records[label].get("cores_busy"))
         for name, r in results.items():
-            r["time_steps"](1)  # warm-up: the threads idled while timm ran
+            r["time_steps"](1)  # warm-up: the threads idled while the reference ran
             times, cores = r["time_steps"](steps)
             samples[name] += times
             busy[name].append(cores)
     medians = {name: statistics.median(times) for name, times in samples.items()}
-    rss = {"timm": timm["peak_rss_bytes"], **{name: timm_step.peak_rss_bytes() for name in results}}
+    rss = {label: record.get("peak_rss_bytes") for label, record in records.items()}
+    rss |= {name: timm_step.peak_rss_bytes() for name in results}
+    first = next(iter(references.values()))[0]
+    against = {label: label for label in records}
+    against |= {name: references.get(name, (first,))[0] for name in results}
+    frameworks = sorted({r["framework"] for r in records.values() if r.get("framework")})
     print(
-        f"\nside by side with {timm['framework']} (same model, batch, drop path, smoothing, "
-        f"EMA), {rounds} interleaved rounds of {steps} steps each:"
+        f"\nside by side with {', '.join(frameworks) or 'the reference steps'}, "
+        f"{rounds} interleaved rounds of {steps} steps each:"
     )
     print(
-        f"{'step':<20} {'median step s':>14} {'x timm (time)':>14} {'peak RSS MiB':>13} "
-        f"{'cores busy':>11}"
+        f"{'step':<24} {'median step s':>14} {'x reference':>12} {'reference':<16} "
+        f"{'peak RSS MiB':>13} {'cores busy':>11}"
     )
     for name, median in medians.items():
+        memory = f"{rss[name] / 2**20:.0f}" if rss[name] else "n/a"
+        cores = [c for c in busy[name] if c is not None]
+        cores = f"{statistics.mean(cores):.2f}" if cores else "n/a"
         print(
-            f"{name:<20} {median:>14.4f} {median / medians['timm']:>14.2f} "
-            f"{rss[name] / 2**20:>13.0f} {statistics.mean(busy[name]):>11.2f}"
+            f"{name:<24} {median:>14.4f} {median / medians[against[name]]:>12.2f} "
+            f"{against[name]:<16} {memory:>13} {cores:>11}"
         )
     print(
         "peak RSS: VmHWM of each process (ours: every variant above, compiles included; "
         "run --variants=plain alone for the plain step's own). cores busy: CPU time over "
         "wall time of the timed steps."
     )
-    return {"medians": medians, "framework": timm["framework"]}
+    return medians
