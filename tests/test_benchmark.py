@@ -187,3 +187,27 @@ def test_compare_timm_refuses_a_model_timm_does_not_have():
     result = run_python(["-m", "rspc_jax.tools.timm_step", "--model=rvt_tiny_plus"], timeout=120)
     assert result.returncode != 0
     assert "rvt_tiny_plus is not a timm model" in result.stderr
+
+
+def test_layer_benchmark_times_each_block_part_beside_timm():
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.tools.layer_benchmark",
+            "--batch=2",
+            "--tokens=17",
+            "--width=64",
+            "--heads=2",
+            "--model=",
+            "--steps=2",
+            "--rounds=2",
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "medians of 2 alternating rounds of 2 steps" in result.stdout
+    for part in ("layernorm", "attention", "mlp", "block"):
+        row = re.search(rf"^{part}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", result.stdout, re.M)
+        assert row, result.stdout
+        ours, theirs, ratio = (float(value) for value in row.groups())
+        assert ours > 0 and theirs > 0 and abs(ratio - ours / theirs) < 0.01 + 0.01 * ratio
