@@ -167,7 +167,7 @@ def main(argv):
     )
     print(f"{'part':<26} {'ours ms':>9} {'timm ms':>9} {'ours / timm':>12}")
     for part, (ours, theirs) in results.items():
-        print(f"{part:<26} {1e3 * ours:>9.2f} {1e3 * theirs:>9.2f} {ours / theirs:>12.2f}")
+        print(f"{part:<26} {1e3 * ours:>9.3f} {1e3 * theirs:>9.3f} {ours / theirs:>12.2f}")
 
 
 if __name__ == "__main__":
