@@ -1,7 +1,9 @@
 """The CPU forms of the models' window ops (convolutions as im2col matrix products,
 depthwise convolutions as shifted products, max-pooling as a maximum of shifted views)
 against XLA's convolution and pooling (the accelerator path): values, gradients and
-parameter layouts."""
+parameter layouts; and the fused attention (GPUs) against the explicit softmax."""
+
+import functools
 
 import flax.linen as nn
 import jax
@@ -144,6 +146,44 @@ def test_an_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="not one of"):
         with ops.implementation("cudnn"):
             pass
+    with pytest.raises(ValueError, match="not one of"):
+        with ops.attention_implementation("flash"):
+            pass
+
+
+def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
+    """A DeiT with its unread attention as jax.nn.dot_product_attention (what GPUs run as
+    cuDNN's fused kernel): same logits and gradients, unrolled and scanned; asked for its
+    attention maps, it computes them the explicit way."""
+    model = models.create("deit_tiny_patch16_224", num_classes=5, depth=2, drop_path_rate=0.0)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 32, 3))
+    variables = model.init(jax.random.PRNGKey(1), x, train=False)
+
+    def loss(params, scan):
+        logits = model.clone(scan_blocks=scan).apply({"params": params}, x, train=False)
+        return jnp.sum(logits**2), logits
+
+    results, programs = {}, {}
+    for choice in ("explicit", "fused"):
+        with ops.attention_implementation(choice):
+            for scan in (False, True):
+                step = jax.value_and_grad(functools.partial(loss, scan=scan), has_aux=True)
+                results[choice, scan] = jax.jit(step)(variables["params"])
+            programs[choice] = str(jax.make_jaxpr(step)(variables["params"]))
+    assert programs["fused"] != programs["explicit"]  # the switch changed the computation
+    for scan in (False, True):
+        (_, logits_e), grads_e = results["explicit", scan]
+        (_, logits_f), grads_f = results["fused", scan]
+        np.testing.assert_allclose(logits_f, logits_e, rtol=1e-5, atol=1e-5)
+        for g_f, g_e in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_e), strict=True):
+            np.testing.assert_allclose(g_f, g_e, rtol=1e-4, atol=1e-5)
+    with ops.attention_implementation("fused"):
+        _, state = model.apply(
+            variables, x, train=False, sow_attention=True, mutable=["intermediates"]
+        )
+    maps = state["intermediates"]["attention_maps"]
+    assert len(maps) == 2 and maps[0].shape == (2, 3, 5, 5)
+    np.testing.assert_allclose(jnp.sum(maps[0], axis=-1), 1.0, rtol=1e-5)
 
 
 def test_layer_norm_gradient_equals_autodiff_of_the_two_pass_form():

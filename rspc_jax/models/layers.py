@@ -191,6 +191,7 @@ class Attention(nn.Module):
     dropout: float = 0.0
     paas: bool = False
     torch_init: bool = False
+    maps_unused: bool = False  # then fused attention where ops.use_fused_attention()
 
     @nn.compact
     def __call__(
@@ -209,6 +210,16 @@ class Attention(nn.Module):
         # indexing's is three zero-padded copies summed (-8% forward+backward, same layer).
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
         q, k, v = jnp.unstack(qkv)
+        if self._fused(train, key_keep):
+            out = jax.nn.dot_product_attention(
+                q.transpose(0, 2, 1, 3),
+                k.transpose(0, 2, 1, 3),
+                v.transpose(0, 2, 1, 3),
+                bias=None if bias is None else bias.astype(q.dtype),
+                scale=head_dim**-0.5,
+            ).reshape(batch, tokens, dim)
+            out = nn.Dense(dim, **init, name="proj")(out)
+            return nn.Dropout(self.dropout, deterministic=not train)(out), None
         logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) * head_dim**-0.5
         if self.paas:
             logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
@@ -220,6 +231,12 @@ class Attention(nn.Module):
         out = out.transpose(0, 2, 1, 3).reshape(batch, tokens, dim)
         out = nn.Dense(dim, **init, name="proj")(out)
         return nn.Dropout(self.dropout, deterministic=not train)(out), attn
+
+    def _fused(self, train: bool, key_keep: jax.Array | None) -> bool:
+        """Fused attention computes no maps, has no attention dropout, no PAAS scaling of
+        the logits and no key re-weighting."""
+        plain = not self.paas and key_keep is None and (self.dropout == 0.0 or not train)
+        return self.maps_unused and plain and ops.use_fused_attention()
 
     def _att_mask(self, tokens: int) -> jax.Array:
         shape = (self.num_heads, tokens, tokens)
@@ -254,11 +271,14 @@ class Block(nn.Module):
     drop_path: float = 0.0
     dropout: float = 0.0
     layernorm_eps: float = 1e-6
+    maps_unused: bool = False  # nobody reads the attention map: Attention may fuse
 
     @nn.compact
     def __call__(self, x, train: bool, key_keep: jax.Array | None = None):
         drop_path = DropPath(self.drop_path)
-        y, attn = Attention(self.num_heads, dropout=self.dropout, name="attn")(
+        y, attn = Attention(
+            self.num_heads, dropout=self.dropout, maps_unused=self.maps_unused, name="attn"
+        )(
             nn.LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x),
             train=train,
             key_keep=key_keep,

@@ -1,5 +1,6 @@
-"""Window ops (dense and depthwise convolution, max-pooling) with two implementations
-behind one switch, so the models read the same on every backend.
+"""Ops with a backend-specific implementation behind one switch each, so the models read
+the same on every backend: window ops (dense and depthwise convolution, max-pooling) and
+attention whose maps are not needed (`use_fused_attention`).
 
 XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
 matrix products and elementwise ops, so on CPU these ops are written as gathered windows
@@ -39,6 +40,35 @@ def implementation(choice: str):
         yield
     finally:
         _choice = previous
+
+
+ATTENTION_CHOICES = ("auto", "fused", "explicit")
+_attention = os.environ.get("RSPC_JAX_ATTENTION", "auto")
+
+
+def use_fused_attention() -> bool:
+    """Whether attention whose maps nobody reads is `jax.nn.dot_product_attention` (which
+    picks cuDNN's fused kernel on GPUs where it can) rather than the explicit softmax of the
+    logits (read at trace time). `RSPC_JAX_ATTENTION` = auto (default: fused on GPU only;
+    on XLA:CPU it is slower: 26 against 19 ms forward+backward of DeiT-S's attention core at
+    batch 8) | fused | explicit, or `attention_implementation(...)` in code. The same values
+    to float32 rounding (tests/test_layers.py)."""
+    if _attention not in ATTENTION_CHOICES:
+        raise ValueError(f"RSPC_JAX_ATTENTION={_attention!r} is not one of {ATTENTION_CHOICES}")
+    return _attention == "fused" or (_attention == "auto" and jax.default_backend() == "gpu")
+
+
+@contextlib.contextmanager
+def attention_implementation(choice: str):
+    """Traces the models with attention `choice` ('auto', 'fused', 'explicit') in the block."""
+    global _attention
+    if choice not in ATTENTION_CHOICES:
+        raise ValueError(f"attention implementation {choice!r} is not one of {ATTENTION_CHOICES}")
+    previous, _attention = _attention, choice
+    try:
+        yield
+    finally:
+        _attention = previous
 
 
 def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:

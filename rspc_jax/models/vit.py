@@ -121,6 +121,7 @@ class ViT(nn.Module):
                     drop_path=rate,
                     dropout=self.dropout,
                     layernorm_eps=self.layernorm_eps,
+                    maps_unused=not sow_attention,
                     name=f"blocks_{i}",
                 )(x, train, token_keep)
                 layers.sow_block(self, x, attn, sow_attention)
@@ -160,6 +161,7 @@ class ViT(nn.Module):
                 drop_path=rate if varying_rate else 0.0,
                 dropout=self.dropout,
                 layernorm_eps=self.layernorm_eps,
+                maps_unused=not sow_attention,
                 parent=None,
             )
             rngs = {"dropout": jax.random.fold_in(dropout_key, index)} if train else {}
