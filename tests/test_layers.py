@@ -177,6 +177,15 @@ def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
         np.testing.assert_allclose(logits_f, logits_e, rtol=1e-5, atol=1e-5)
         for g_f, g_e in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_e), strict=True):
             np.testing.assert_allclose(g_f, g_e, rtol=1e-4, atol=1e-5)
+    attention = layers.Attention(3, maps_unused=True)  # with an intervention's (N, N) bias
+    tokens = jax.random.normal(jax.random.PRNGKey(2), (2, 5, 24))
+    bias = jnp.where(jnp.eye(5, dtype=bool), 0.0, -1e4).at[:, 0].set(0.0)
+    attention_vars = attention.init(jax.random.PRNGKey(3), tokens, train=False)
+    outputs = {}
+    for choice in ("explicit", "fused"):
+        with ops.attention_implementation(choice):
+            outputs[choice] = attention.apply(attention_vars, tokens, train=False, bias=bias)[0]
+    np.testing.assert_allclose(outputs["fused"], outputs["explicit"], rtol=1e-5, atol=1e-6)
     with ops.attention_implementation("fused"):
         _, state = model.apply(
             variables, x, train=False, sow_attention=True, mutable=["intermediates"]

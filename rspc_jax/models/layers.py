@@ -215,7 +215,7 @@ class Attention(nn.Module):
                 q.transpose(0, 2, 1, 3),
                 k.transpose(0, 2, 1, 3),
                 v.transpose(0, 2, 1, 3),
-                bias=None if bias is None else bias.astype(q.dtype),
+                bias=None if bias is None else bias.astype(q.dtype)[None, None],
                 scale=head_dim**-0.5,
             ).reshape(batch, tokens, dim)
             out = nn.Dense(dim, **init, name="proj")(out)
