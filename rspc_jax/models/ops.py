@@ -18,57 +18,60 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-CHOICES = ("auto", "windows", "xla")
-_choice = os.environ.get("RSPC_JAX_WINDOW_OPS", "auto")
+
+class _Switch:
+    """An implementation choice: an environment variable's value (default 'auto'), which
+    `override` replaces inside a block; read when the models are traced."""
+
+    def __init__(self, variable: str, choices: tuple[str, ...]):
+        self.variable, self.choices = variable, choices
+        self.value = os.environ.get(variable, "auto")
+
+    def get(self) -> str:
+        if self.value not in self.choices:
+            raise ValueError(f"{self.variable}={self.value!r} is not one of {self.choices}")
+        return self.value
+
+    @contextlib.contextmanager
+    def override(self, choice: str):
+        if choice not in self.choices:
+            raise ValueError(f"{self.variable} choice {choice!r} is not one of {self.choices}")
+        previous, self.value = self.value, choice
+        try:
+            yield
+        finally:
+            self.value = previous
+
+
+_window_ops = _Switch("RSPC_JAX_WINDOW_OPS", ("auto", "windows", "xla"))
+_attention = _Switch("RSPC_JAX_ATTENTION", ("auto", "fused", "explicit"))
 
 
 def use_window_ops() -> bool:
-    """Whether models trace the window implementations (read at trace time)."""
-    if _choice not in CHOICES:
-        raise ValueError(f"RSPC_JAX_WINDOW_OPS={_choice!r} is not one of {CHOICES}")
-    return _choice == "windows" or (_choice == "auto" and jax.default_backend() == "cpu")
+    """Whether models trace the window implementations."""
+    choice = _window_ops.get()
+    return choice == "windows" or (choice == "auto" and jax.default_backend() == "cpu")
 
 
-@contextlib.contextmanager
 def implementation(choice: str):
-    """Traces the models with `choice` ('auto', 'windows' or 'xla') inside the block."""
-    global _choice
-    if choice not in CHOICES:
-        raise ValueError(f"window-op implementation {choice!r} is not one of {CHOICES}")
-    previous, _choice = _choice, choice
-    try:
-        yield
-    finally:
-        _choice = previous
-
-
-ATTENTION_CHOICES = ("auto", "fused", "explicit")
-_attention = os.environ.get("RSPC_JAX_ATTENTION", "auto")
+    """Traces the models with window ops `choice` ('auto', 'windows' or 'xla') in the block."""
+    return _window_ops.override(choice)
 
 
 def use_fused_attention() -> bool:
     """Whether attention whose maps nobody reads is `jax.nn.dot_product_attention` (which
     picks cuDNN's fused kernel on GPUs where it can) rather than the explicit softmax of the
-    logits (read at trace time). `RSPC_JAX_ATTENTION` = auto (default: fused on GPU only;
-    on XLA:CPU it is slower: 26 against 19 ms forward+backward of DeiT-S's attention core at
-    batch 8) | fused | explicit, or `attention_implementation(...)` in code. The same values
-    to float32 rounding (tests/test_layers.py)."""
-    if _attention not in ATTENTION_CHOICES:
-        raise ValueError(f"RSPC_JAX_ATTENTION={_attention!r} is not one of {ATTENTION_CHOICES}")
-    return _attention == "fused" or (_attention == "auto" and jax.default_backend() == "gpu")
+    logits. `RSPC_JAX_ATTENTION` = auto (default: fused on GPU only; on XLA:CPU it is
+    slower: 26 against 19 ms forward+backward of DeiT-S's attention core at batch 8) | fused
+    | explicit, or `attention_implementation(...)` in code. The same values to float32
+    rounding (tests/test_layers.py)."""
+    choice = _attention.get()
+    return choice == "fused" or (choice == "auto" and jax.default_backend() == "gpu")
 
 
-@contextlib.contextmanager
 def attention_implementation(choice: str):
     """Traces the models with attention `choice` ('auto', 'fused', 'explicit') in the block."""
-    global _attention
-    if choice not in ATTENTION_CHOICES:
-        raise ValueError(f"attention implementation {choice!r} is not one of {ATTENTION_CHOICES}")
-    previous, _attention = _attention, choice
-    try:
-        yield
-    finally:
-        _attention = previous
+    return _attention.override(choice)
 
 
 def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
