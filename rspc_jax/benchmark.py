@@ -72,8 +72,7 @@ _ROUNDS = flags.DEFINE_integer(
     "rounds",
     3,
     "With --compare_timm or --compare_command: the reference steps and ours alternate this "
-    "many times (--steps each), "
-    "so that the machine's drift does not bias the ratio.",
+    "many times (--steps each), so that the machine's drift does not bias the ratio.",
 )
 _MEMORY = flags.DEFINE_bool(
     "memory",

@@ -141,7 +141,7 @@ def print_table(
 ) -> dict:
     """Times every variant of `config` on one random batch and prints the table (and, with
     `profile_dir`, each variant's top ops from a profiler trace in <profile_dir>/<variant>);
-    `keep_timers` keeps each variant's 'time_steps' for `compare_with_timm`'s rounds."""
+    `keep_timers` keeps each variant's 'time_steps' for `compare_side_by_side`'s rounds."""
     setup.validate_config(config)
     spec = datasets.dataset_spec(config.dataset)
     rng = np.random.default_rng(0)
