@@ -177,6 +177,20 @@ def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
         np.testing.assert_allclose(logits_f, logits_e, rtol=1e-5, atol=1e-5)
         for g_f, g_e in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_e), strict=True):
             np.testing.assert_allclose(g_f, g_e, rtol=1e-4, atol=1e-5)
+    rvt = models.create(  # PAAS (explicit) in stage 0, fused attention in stage 1
+        "rvt_tiny_plus", num_classes=5, base_dims=(8, 8), depth=(1, 1), heads=(2, 4), masked_block=1
+    )
+    images = jax.random.normal(jax.random.PRNGKey(4), (2, 64, 64, 3))
+    rvt_vars = rvt.init(jax.random.PRNGKey(5), images, train=False)
+    rvt_logits, rvt_programs = {}, {}
+    for choice in ("explicit", "fused"):
+        with ops.attention_implementation(choice):
+            rvt_logits[choice] = rvt.apply(rvt_vars, images, train=False)
+            rvt_programs[choice] = str(
+                jax.make_jaxpr(lambda v: rvt.apply(v, images, train=False))(rvt_vars)
+            )
+    assert rvt_programs["fused"] != rvt_programs["explicit"]
+    np.testing.assert_allclose(rvt_logits["fused"], rvt_logits["explicit"], rtol=1e-5, atol=1e-5)
     attention = layers.Attention(3, maps_unused=True)  # with an intervention's (N, N) bias
     tokens = jax.random.normal(jax.random.PRNGKey(2), (2, 5, 24))
     bias = jnp.where(jnp.eye(5, dtype=bool), 0.0, -1e4).at[:, 0].set(0.0)

@@ -85,13 +85,19 @@ class Block(nn.Module):
     drop_path: float = 0.0
     dropout: float = 0.0
     bn_axis_name: str | None = None
+    maps_unused: bool = False  # nobody reads the attention map: Attention may fuse
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], train: bool):
         dim = x.shape[-1]
         drop_path = layers.DropPath(self.drop_path)
         y, attn = layers.Attention(
-            self.num_heads, dropout=self.dropout, torch_init=True, paas=self.paas, name="attn"
+            self.num_heads,
+            dropout=self.dropout,
+            torch_init=True,
+            paas=self.paas,
+            maps_unused=self.maps_unused,
+            name="attn",
         )(nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm1")(x), train=train)
         x = x + drop_path(y, train=train)
         y = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm2")(x)
@@ -115,6 +121,7 @@ class Transformer(nn.Module):
     dropout: float = 0.0
     remat: bool = False
     bn_axis_name: str | None = None
+    maps_unused: bool = False
 
     @nn.compact
     def __call__(self, x, *, train: bool):
@@ -130,6 +137,7 @@ class Transformer(nn.Module):
                 drop_path=rate,
                 dropout=self.dropout,
                 bn_axis_name=self.bn_axis_name,
+                maps_unused=self.maps_unused,
                 name=f"blocks_{i}",
             )(x, (height, width), train)
             outputs.append((x, attn))
@@ -189,6 +197,7 @@ class RVT(nn.Module):
                 dropout=self.dropout,
                 remat=self.remat,
                 bn_axis_name=self.bn_axis_name,
+                maps_unused=not sow_attention,
                 name=f"transformers_{stage}",
             )(x, train=train)
             for tokens, attn in outputs:
