@@ -1,6 +1,7 @@
 """Speed of train-step variants of a config's model, measured in one run (the library of
 `python -m rspc_jax.benchmark`, whose docstring says what the table holds)."""
 
+import functools
 import json
 import os
 import statistics
@@ -13,7 +14,7 @@ import numpy as np
 
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
-from rspc_jax.tools import profiling, timm_step
+from rspc_jax.tools import profiling, timing
 from rspc_jax.training import ablations, setup
 
 # Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
@@ -88,25 +89,19 @@ def time_step(
     compiled = lowered.compile()
     compile_sec = time.perf_counter() - start
 
-    def time_steps(count: int) -> tuple[list[float], float]:
-        """Seconds of each of `count` more steps, and the process's CPU time over their
-        wall time (how many cores the step keeps busy)."""
+    def step():
+        """One step, blocked; the state carries over to the next."""
         nonlocal state
-        times = []
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
-        for _ in range(count):
-            start = time.perf_counter()
-            state, metrics = compiled(state, global_batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - start)
-        return times, (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
+        state, metrics = compiled(state, global_batch)
+        jax.block_until_ready(metrics)
 
-    time_steps(1)  # warm-up: first-run allocations
+    time_steps = functools.partial(timing.time_calls, step)  # n -> (seconds, cores busy)
+    step()  # warm-up: first-run allocations
     times, cores_busy = time_steps(steps)
     median = statistics.median(times)
     top = None
     if profile_dir:
-        trace_file = profiling.trace(lambda: time_steps(1), 2, profile_dir)
+        trace_file = profiling.trace(step, 2, profile_dir)
         hlo = compiled.as_text()
         with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
             f.write(hlo)  # the optimised HLO the trace's op names refer to
@@ -264,7 +259,8 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
             busy[name].append(cores)
     medians = {name: statistics.median(times) for name, times in samples.items()}
     rss = {label: record.get("peak_rss_bytes") for label, record in records.items()}
-    rss |= {name: timm_step.peak_rss_bytes() for name in results}
+    ours = timing.peak_rss_bytes()  # one process: every variant's
+    rss |= {name: ours for name in results}
     first = next(iter(references.values()))[0]
     against = {label: label for label in records}
     against |= {name: references.get(name, (first,))[0] for name in results}

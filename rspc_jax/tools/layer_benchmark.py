@@ -14,7 +14,6 @@ stays out of the ratio); torch uses every core, as XLA does.
 
 import os
 import statistics
-import time
 
 from absl import flags
 import flax.linen as nn
@@ -23,7 +22,7 @@ import jax.numpy as jnp
 
 from rspc_jax import models
 from rspc_jax.models import layers
-from rspc_jax.tools import cli
+from rspc_jax.tools import cli, timing
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences (images) per step.")
 _TOKENS = flags.DEFINE_integer("tokens", 197, "Tokens per sequence (DeiT at 224 px: 197).")
@@ -89,16 +88,6 @@ def _timm_step(module, inputs):
     return step
 
 
-def _timed(step, count: int) -> list[float]:
-    step()  # warm-up: first call of the round
-    times = []
-    for _ in range(count):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def compare(
     *, batch: int, tokens: int, width: int, heads: int, model: str, steps: int, rounds: int
 ) -> dict:
@@ -141,8 +130,9 @@ def compare(
     samples = {part: ([], []) for part in steps_of}
     for _ in range(rounds):
         for part, (ours, theirs) in steps_of.items():
-            samples[part][0].extend(_timed(ours, steps))
-            samples[part][1].extend(_timed(theirs, steps))
+            for step, sample in ((ours, samples[part][0]), (theirs, samples[part][1])):
+                step()  # warm-up: first call of the round
+                sample.extend(timing.time_calls(step, steps)[0])
     return {
         part: (statistics.median(ours), statistics.median(theirs))
         for part, (ours, theirs) in samples.items()

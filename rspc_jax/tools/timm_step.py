@@ -11,19 +11,10 @@ peak memory (VmHWM) is its own; the last line printed is a JSON record.
 
 import json
 import statistics
-import time
 
 from absl import app, flags
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (VmHWM: unlike ru_maxrss it starts afresh at exec,
-    so a child started from a big parent reports its own)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmHWM in /proc/self/status")
+from rspc_jax.tools import timing
 
 
 def time_timm_step(
@@ -83,18 +74,12 @@ def time_timm_step(
         return loss
 
     step()  # warm-up: first-run allocations
-    times = []
-    cpu_start, wall_start = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    cores_busy = (time.process_time() - cpu_start) / (time.perf_counter() - wall_start)
+    times, cores_busy = timing.time_calls(step, steps)
     return dict(
         framework=f"PyTorch {torch.__version__}, timm {timm.__version__}",
         median_sec=statistics.median(times),
         times=times,
-        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_bytes=timing.peak_rss_bytes(),
         cores_busy=cores_busy,
         num_parameters=sum(p.numel() for p in model.parameters()),
     )
