@@ -41,7 +41,9 @@ from ml_collections import config_flags
 from rspc_jax.tools import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=False)
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps per variant (after compilation).")
+_STEPS = flags.DEFINE_integer(
+    "steps", 20, "Timed steps per variant (after compilation).", lower_bound=1
+)
 _BATCH = flags.DEFINE_integer("batch", 0, "Global batch size (0 = the config's).")
 _VARIANTS = flags.DEFINE_string(
     "variants",
@@ -73,6 +75,7 @@ _ROUNDS = flags.DEFINE_integer(
     3,
     "With --compare_timm or --compare_command: the reference steps and ours alternate this "
     "many times (--steps each), so that the machine's drift does not bias the ratio.",
+    lower_bound=1,
 )
 _MEMORY = flags.DEFINE_bool(
     "memory",

@@ -211,3 +211,12 @@ def test_layer_benchmark_times_each_block_part_beside_timm():
         assert row, result.stdout
         ours, theirs, ratio = (float(value) for value in row.groups())
         assert ours > 0 and theirs > 0 and abs(ratio - ours / theirs) < 0.01 + 0.01 * ratio
+
+
+def test_benchmarks_refuse_fewer_than_one_step_or_round():
+    for module in ("rspc_jax.benchmark", "rspc_jax.tools.layer_benchmark"):
+        for flag in ("--steps=0", "--rounds=0"):
+            extra = ["--config=configs/demo.py:smoke"] if module == "rspc_jax.benchmark" else []
+            result = run_python(["-m", module, *extra, flag], timeout=120)
+            assert result.returncode != 0
+            assert f"flag {flag}: 0 is not a positive integer" in result.stderr, result.stderr

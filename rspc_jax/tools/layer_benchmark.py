@@ -24,15 +24,17 @@ from rspc_jax import models
 from rspc_jax.models import layers
 from rspc_jax.tools import cli, timing
 
-_BATCH = flags.DEFINE_integer("batch", 8, "Sequences (images) per step.")
-_TOKENS = flags.DEFINE_integer("tokens", 197, "Tokens per sequence (DeiT at 224 px: 197).")
-_WIDTH = flags.DEFINE_integer("width", 384, "Token width (DeiT-S: 384).")
-_HEADS = flags.DEFINE_integer("heads", 6, "Attention heads (DeiT-S: 6).")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences (images) per step.", lower_bound=1)
+_TOKENS = flags.DEFINE_integer(
+    "tokens", 197, "Tokens per sequence (DeiT at 224 px: 197).", lower_bound=1
+)
+_WIDTH = flags.DEFINE_integer("width", 384, "Token width (DeiT-S: 384).", lower_bound=1)
+_HEADS = flags.DEFINE_integer("heads", 6, "Attention heads (DeiT-S: 6).", lower_bound=1)
 _MODEL = flags.DEFINE_string(
     "model", "deit_small_patch16_224", "Also a whole model ('' = the block's parts only)."
 )
-_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per part and round.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds alternating ours and timm's.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per part and round.", lower_bound=1)
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Rounds alternating ours and timm's.", lower_bound=1)
 
 
 class _Part(nn.Module):
