@@ -379,10 +379,10 @@ def activation_tol(ref) -> float:
 @pytest.fixture(scope="session")
 def digits_data_dir(tmp_path_factory) -> str:
     """The embedded digits dataset, prepared once per session (no network)."""
-    from rspc_jax.data import specs as datasets
+    from rspc_jax.data import records
 
     data_dir = str(tmp_path_factory.mktemp("tfds"))
-    datasets.get_builder("sklearn_digits", data_dir)
+    records.get_builder("sklearn_digits", data_dir)
     return data_dir
 
 

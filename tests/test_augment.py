@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from rspc_jax.data import augment
+from rspc_jax.data import augment, options
 
 INCREASING = (
     "AutoContrast",
@@ -144,7 +144,7 @@ def pil_rotate_matrix(degrees, w, h):
 
 
 def test_parse_official_spec():
-    spec = augment.parse_rand_augment("rand-m9-mstd0.5-inc1")
+    spec = options.parse_rand_augment("rand-m9-mstd0.5-inc1")
     assert (
         spec.magnitude,
         spec.num_layers,
@@ -157,7 +157,7 @@ def test_parse_official_spec():
 
 
 def test_parse_other_sections_and_defaults():
-    spec = augment.parse_rand_augment("rand-n3-p0.7-m5-mmax20")
+    spec = options.parse_rand_augment("rand-n3-p0.7-m5-mmax20")
     assert (
         spec.magnitude,
         spec.num_layers,
@@ -168,8 +168,8 @@ def test_parse_other_sections_and_defaults():
     ) == (5, 3, 0.7, 20, False, 0.0)
     assert "Posterize" in spec.ops and "PosterizeIncreasing" not in spec.ops
     assert len(spec.ops) == 15
-    assert augment.parse_rand_augment("rand") == augment.RandAugmentSpec()
-    assert augment.parse_rand_augment("rand-mstd101").magnitude_std == math.inf
+    assert options.parse_rand_augment("rand") == options.RandAugmentSpec()
+    assert options.parse_rand_augment("rand-mstd101").magnitude_std == math.inf
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_parse_other_sections_and_defaults():
 )
 def test_parse_rejects_bad_specs(spec):
     with pytest.raises(ValueError, match="RandAugment spec"):
-        augment.parse_rand_augment(spec)
+        options.parse_rand_augment(spec)
 
 
 # --- pixel ops against PIL at fixed magnitudes ---
@@ -329,7 +329,7 @@ def test_rand_augment_is_a_pure_function_of_the_key():
     a = augment.rand_augment(image, key(1), spec).numpy()
     b = augment.rand_augment(image, key(1), spec).numpy()
     graph = tf.function(augment.rand_augment, autograph=False)
-    c = graph(image, key(1), augment.parse_rand_augment(spec)).numpy()
+    c = graph(image, key(1), options.parse_rand_augment(spec)).numpy()
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, c)
     outputs = {augment.rand_augment(image, key(i), spec).numpy().tobytes() for i in range(12)}
@@ -361,14 +361,14 @@ def test_rand_augment_draws_every_increasing_op_at_timm_levels():
 
 
 def test_magnitude_is_normal_around_m_and_clipped():
-    spec = augment.parse_rand_augment("rand-m9-mstd0.5")
+    spec = options.parse_rand_augment("rand-m9-mstd0.5")
     draws = np.array([float(augment._sample_magnitude(spec, key(i))) for i in range(400)])
     assert abs(draws.mean() - 9) < 0.08 and abs(draws.std() - 0.5) < 0.08
     assert draws.max() <= 10
-    spec = augment.parse_rand_augment("rand-m10-mstd1")
+    spec = options.parse_rand_augment("rand-m10-mstd1")
     draws = np.array([float(augment._sample_magnitude(spec, key(i))) for i in range(200)])
     assert draws.max() == 10 and 0.35 < (draws == 10).mean() < 0.65
-    spec = augment.parse_rand_augment("rand-m6-mstd200")  # uniform in [0, 6]
+    spec = options.parse_rand_augment("rand-m6-mstd200")  # uniform in [0, 6]
     draws = np.array([float(augment._sample_magnitude(spec, key(i))) for i in range(200)])
     assert draws.min() >= 0 and draws.max() <= 6 and abs(draws.mean() - 3) < 0.4
 

@@ -46,6 +46,32 @@ def test_benchmark_prints_plain_rspc_ratio_flops_and_memory():
         assert 0 < float(row.group(8)) <= os.cpu_count() + 0.1
 
 
+# Runs a module as `python -m` would, in a process where TensorFlow cannot be imported.
+_WITHOUT_TF = """
+import runpy, sys
+
+class NoTensorFlow:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("tensorflow", "tensorflow_datasets"):
+            raise ImportError(f"{name} is blocked by the test")
+
+sys.meta_path.insert(0, NoTensorFlow())
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_timing_and_planning_a_step_never_load_tensorflow():
+    """TF holds 0.6 GB of host memory; the step-only tools must not pay it (data is random)."""
+    for extra in (["--steps=1"], ["--memory", "--variants=rspc", "--slices=v3-8"]):
+        result = run_python(
+            ["-c", _WITHOUT_TF, "rspc_jax.benchmark", "--config=configs/demo.py:smoke", *extra],
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "rspc" in result.stdout
+
+
 def test_peak_flops_by_device_kind_and_dtype():
     assert benchmark.peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4e12
     assert benchmark.peak_flops("NVIDIA H200", "float32") == 494.7e12

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from rspc_jax.data import eval as eval_data
+from rspc_jax.data import options, records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
 
@@ -104,7 +105,7 @@ def take(iterator, n):
 def test_digits_builder_prepares_offline(tmp_path, no_network):
     from sklearn.datasets import load_digits
 
-    builder = datasets.get_builder(DIGITS, str(tmp_path))
+    builder = records.get_builder(DIGITS, str(tmp_path))
     assert builder.is_prepared()
     assert (tmp_path / DIGITS).is_dir()
     splits = builder.info.splits
@@ -126,7 +127,7 @@ def test_canvas_digits_hold_each_digit_unchanged_at_varying_places(tmp_path, no_
     moves from image to image; the spec's mean and std are those of the training images."""
     from rspc_jax.data import sklearn_digits
 
-    builder = datasets.get_builder("sklearn_digits_canvas", str(tmp_path))
+    builder = records.get_builder("sklearn_digits_canvas", str(tmp_path))
     splits = builder.info.splits
     assert (splits["train"].num_examples, splits["test"].num_examples) == (1500, 297)
     digits, _ = sklearn_digits._load_uint8_digits()
@@ -398,7 +399,7 @@ def test_missing_cifar_raises_with_build_instructions(tmp_path, no_network):
 
 def test_missing_imagenet_raises_with_manual_instructions(tmp_path, no_network):
     with pytest.raises(datasets.DatasetNotFoundError) as error:
-        datasets.get_builder("imagenet2012", str(tmp_path))
+        records.get_builder("imagenet2012", str(tmp_path))
     message = str(error.value)
     assert f"tfds build imagenet2012 --data_dir={tmp_path}" in message
     assert "ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar" in message
@@ -408,7 +409,7 @@ def test_missing_imagenet_raises_with_manual_instructions(tmp_path, no_network):
 def test_data_dir_defaults_to_tfds_data_dir_env(tmp_path, monkeypatch, no_network):
     monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))
     with pytest.raises(datasets.DatasetNotFoundError, match=str(tmp_path)):
-        datasets.get_builder("cifar100", None)
+        records.get_builder("cifar100", None)
 
 
 def test_specs():
@@ -444,3 +445,8 @@ def test_unknown_names_raise_value_error_listing_choices(digits_data_dir):
     ]:
         with pytest.raises(ValueError, match=match):
             digits_train(digits_data_dir, **bad)
+
+
+def test_every_eval_preprocess_choice_that_configs_may_name_has_a_pipeline():
+    """The config check (plain Python, no TF) and the TF pipelines name the same choices."""
+    assert set(options.EVAL_PREPROCESS_CHOICES) == set(eval_data.EVAL_CHOICES)

@@ -40,6 +40,13 @@ def test_random_selection_reports_high_entropy_and_the_iou_of_chance():
     assert stats["mask_iou"] == pytest.approx(0.2333 / 3 + 1 / 120, abs=0.01)
 
 
+def test_mask_iou_traces_for_batches_whose_pair_count_passes_int32():
+    """The memory planner compiles steps at tens of thousands of images per device: 50,000
+    images make 2.5e9 ordered pairs, more than an int32 holds (traced only, not computed)."""
+    iou = jax.eval_shape(selection.mask_iou, jax.ShapeDtypeStruct((50_000, N), jnp.int8))
+    assert iou.shape == () and iou.dtype == jnp.float32
+
+
 def test_on_object_counts_the_selected_patches_that_hold_a_stroke():
     pixels = np.zeros((2, 8, 8, 3), np.float32)
     pixels[:, :4, :4] = 1.0  # the object fills patch 0 of a 2 x 2 grid of 4-px patches

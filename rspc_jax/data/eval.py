@@ -9,7 +9,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from rspc_jax.data.specs import (
+from rspc_jax.data import options
+from rspc_jax.data.records import (
     AUTOTUNE,
     deterministic,
     encoded_records,
@@ -53,8 +54,7 @@ EVAL_PREPROCESS = {
     "imagenet2012": imagenet,
 }
 
-# eval_preprocess choices besides '' (the dataset's default): 'center_crop' is
-# the official evaluation at 224 px on every dataset, Resize(256) + CenterCrop.
+# The eval_preprocess choices besides '' (the dataset's default), named in options.
 EVAL_CHOICES = {
     "center_crop": imagenet,
 }
@@ -71,19 +71,9 @@ def _host_records(builder, split, process_index, process_count):
     return encoded_records(builder, host_splits[process_index]), largest
 
 
-def check_eval_preprocess(eval_preprocess: str) -> None:
-    """Raises ValueError naming the choices for an unknown `eval_preprocess`."""
-    if eval_preprocess and eval_preprocess not in EVAL_CHOICES:
-        raise ValueError(
-            f"Unknown eval_preprocess {eval_preprocess!r}; choose "
-            f'one of {["", *sorted(EVAL_CHOICES)]} ("" = the '
-            "dataset's default)."
-        )
-
-
 def eval_preprocess_fn(dataset: str, eval_preprocess: str = ""):
     """The eval preprocessing of `dataset`, or the named `eval_preprocess` choice."""
-    check_eval_preprocess(eval_preprocess)
+    options.check_eval_preprocess(eval_preprocess)
     return EVAL_CHOICES[eval_preprocess] if eval_preprocess else EVAL_PREPROCESS[dataset]
 
 

@@ -17,10 +17,9 @@ import tensorflow_datasets as tfds
 
 from rspc_jax.data import augment as augment_lib
 from rspc_jax.data import eval as eval_lib
-from rspc_jax.data.specs import (
+from rspc_jax.data import options as data_options
+from rspc_jax.data.records import (
     AUTOTUNE,
-    DatasetSpec,
-    dataset_spec,
     deterministic,
     encoded_records,
     get_builder,
@@ -28,6 +27,7 @@ from rspc_jax.data.specs import (
     num_examples_of,
     process_or_default,
 )
+from rspc_jax.data.specs import DatasetSpec, dataset_spec
 
 
 def _random_translate(image, key, size, pad):
@@ -91,27 +91,6 @@ def _train_preprocess(augment: str, dataset: str, crop_area=None, crop_aspect=No
             _train_imagenet, area=crop_area or (0.08, 1.0), aspect=crop_aspect or (3 / 4, 4 / 3)
         )
     return _AUGMENTS[augment]
-
-
-def check_augmentation(
-    *,
-    rand_augment: str = "",
-    random_erase_prob: float = 0.0,
-    repeated_augment: int = 1,
-    eval_preprocess: str = "",
-) -> None:
-    """Raises ValueError naming the bad option, before any pipeline is built."""
-    if rand_augment:
-        augment_lib.parse_rand_augment(rand_augment)
-    if not 0.0 <= random_erase_prob <= 1.0:
-        raise ValueError(
-            f"random_erase_prob={random_erase_prob!r} is a probability and must be in [0, 1]."
-        )
-    if int(repeated_augment) != repeated_augment or repeated_augment < 1:
-        raise ValueError(
-            f"repeated_augment={repeated_augment!r} must be an integer >= 1 (1 = off, DeiT uses 3)."
-        )
-    eval_lib.check_eval_preprocess(eval_preprocess)
 
 
 def _normalise(image, spec: DatasetSpec, size: int):
@@ -199,7 +178,7 @@ def train_iterator(
     `repeated_augment` > 1 emits every record that many times in a row, with
     different augmentations (`_epoch_stream`).
     """
-    check_augmentation(
+    data_options.check_augmentation(
         rand_augment=rand_augment,
         random_erase_prob=random_erase_prob,
         repeated_augment=repeated_augment,

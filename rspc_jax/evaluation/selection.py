@@ -54,8 +54,8 @@ def mask_iou(occluded) -> jnp.ndarray:
     sizes = occluded.sum(axis=1)
     union = sizes[:, None] + sizes[None, :] - intersection
     iou = jnp.where(union > 0, intersection / jnp.maximum(union, 1.0), 1.0)
-    pairs = count * (count - 1)
-    return jnp.where(pairs > 0, (iou.sum() - jnp.trace(iou)) / max(pairs, 1), 1.0)
+    pairs = float(count * (count - 1))  # a float: an int32 overflows past 46,341 images
+    return jnp.where(pairs > 0, (iou.sum() - jnp.trace(iou)) / max(pairs, 1.0), 1.0)
 
 
 def object_patches(pixels, patch_size: int, background: float) -> jnp.ndarray:

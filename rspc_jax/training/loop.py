@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from rspc_jax import parallel
+from rspc_jax.data import records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
 from rspc_jax.evaluation import run_suites, suites
@@ -169,7 +170,7 @@ def train_and_evaluate(
     setup.check_model_fits(config, model)
     train_split = config.train_split or spec.train_split
     # Fails with preparation instructions if the dataset is missing.
-    num_train = datasets.num_examples(
+    num_train = records.num_examples(
         dataset=config.dataset, data_dir=config.data_dir, split=train_split
     )
     steps_per_epoch = max(num_train // config.batch_size, 1)

@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import ml_collections
-import tensorflow as tf
 
 from rspc_jax import ConfigError, models, parallel, rspc
+from rspc_jax.data import options as data_options
 from rspc_jax.data import specs as datasets
-from rspc_jax.data import train as train_data
 from rspc_jax.training import adversarial as adversarial_training
 from rspc_jax.training import checks, optim
 from rspc_jax.training import step as train_step_lib
@@ -34,7 +33,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         )
     parallel.check_batch_size(config.eval_batch_size, "eval_batch_size")
     try:
-        train_data.check_augmentation(
+        data_options.check_augmentation(
             rand_augment=config.rand_augment,
             random_erase_prob=config.random_erase_prob,
             repeated_augment=config.repeated_augment,
@@ -42,11 +41,19 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         )
     except ValueError as error:
         raise ConfigError(f"bad augmentation setting in the config: {error}") from None
-    if config.init_from and not tf.io.gfile.exists(config.init_from):
+    if config.init_from and not _exists(config.init_from):
         raise ConfigError(
             f"config.init_from: checkpoint {config.init_from} does not exist; pass the path of "
             "a .pth/.safetensors/.npz file"
         )
+
+
+def _exists(path: str) -> bool:
+    """tf.io.gfile also sees gs:// paths; TF loads here, not with the module, so that
+    timing or planning a step never holds TF's 0.6 GB of host memory."""
+    import tensorflow as tf
+
+    return tf.io.gfile.exists(path)
 
 
 def build_model(config, num_classes: int):
