@@ -15,8 +15,8 @@ import pytest
 
 from rspc_jax import parallel, rspc
 from rspc_jax.data import specs as datasets
+from rspc_jax.training import host_memory, mixup, setup
 from rspc_jax.training import loop as train
-from rspc_jax.training import mixup, setup
 from rspc_jax.training import step as train_step_lib
 from tests.conftest import REPO, first_batches, run_python, smoke_config
 
@@ -269,6 +269,7 @@ def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_
             executed[0] += 1
             return parts.train_step(state, batch)
 
+        train_step.lower = parts.train_step.lower  # the loop compiles ahead of step 1
         return parts._replace(train_step=train_step)
 
     def recording(fn):
@@ -285,3 +286,74 @@ def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_
     assert result["step"] == 8 and executed[0] == 8
     assert set(waits) - {0} <= {1, 3, 6, 8}, sorted(set(waits))
     assert {1, 3, 6, 8} <= set(waits)  # the counters do see the sync steps
+
+
+def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
+    digits_data_dir, tmp_path, monkeypatch
+):
+    """What the compiler freed is released before the first step allocates its buffers, so
+    the process peak does not hold both; the step then runs from the cache (one compile)."""
+    config = smoke_config(digits_data_dir, total_steps=2, eval_every_steps=100)
+    events = []
+    build = setup.build
+
+    def recording_build(*args, **kwargs):
+        parts = build(*args, **kwargs)
+
+        def train_step(state, batch):
+            events.append("step")
+            return parts.train_step(state, batch)
+
+        train_step.lower = parts.train_step.lower
+        return parts._replace(train_step=train_step)
+
+    def on_compile(name, secs, fun_name="", **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration" and "train_step" in fun_name:
+            events.append("compile")
+
+    monkeypatch.setattr(setup, "build", recording_build)
+    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: events.append("release"))
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        train.train_and_evaluate(config, str(tmp_path / "run"))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert events[:4] == ["compile", "release", "step", "step"], events
+    assert events.count("compile") == 1
+    assert events[-1] == "release"  # after the last step's evaluation compiled the eval steps
+
+
+def test_released_memory_leaves_the_process():
+    """glibc keeps 250 MiB that a thread freed mapped; the release returns it to the OS."""
+    script = """
+import ctypes, threading
+from rspc_jax.training import host_memory
+
+if not hasattr(ctypes.CDLL(None), "malloc_trim"):
+    raise SystemExit("skip: the C library has no malloc_trim (not glibc)")
+
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+
+kept = []
+
+def churn():
+    blocks = [bytearray(64 * 1024) for _ in range(4000)]
+    kept.append(blocks[-1])  # holds the freed blocks below it off the arena's top
+    blocks.clear()
+
+thread = threading.Thread(target=churn)
+thread.start()
+thread.join()
+before = rss_mib()
+host_memory.release_freed_memory()
+print(before, rss_mib())
+"""
+    result = run_python(["-c", script], timeout=120)
+    if result.stderr.startswith("skip:"):
+        pytest.skip(result.stderr.strip())
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after = map(int, result.stdout.split())
+    assert before - after > 200, (before, after)

@@ -15,7 +15,7 @@ import numpy as np
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.tools import profiling, timing
-from rspc_jax.training import ablations, setup
+from rspc_jax.training import ablations, host_memory, setup
 
 # Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
 # GPUs is the TF32 tensor-core peak (XLA's default precision for f32 dots); TPUs have no
@@ -88,6 +88,7 @@ def time_step(
     lowered = parts.train_step.lower(state, global_batch)
     compiled = lowered.compile()
     compile_sec = time.perf_counter() - start
+    host_memory.release_freed_memory()  # as the training loop does before its first step
 
     def step():
         """One step, blocked; the state carries over to the next."""

@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -22,8 +23,8 @@ from rspc_jax.data import train as train_data
 from rspc_jax.evaluation import run_suites, suites
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import state_dicts as interop
+from rspc_jax.training import host_memory, setup
 from rspc_jax.training import reporting as metrics_lib
-from rspc_jax.training import setup
 from rspc_jax.training import step as train_step_lib
 
 
@@ -269,6 +270,13 @@ def train_and_evaluate(
     pending, pending_start = [], start_step
     step = start_step
     final = run_eval(step) if step >= total_steps else {}
+    if step < total_steps:
+        # Compiled before the first step runs (which then finds it cached), so that the
+        # compiler's freed memory is returned before the step's buffers are allocated.
+        first_batch = next(train_batches)
+        train_step.lower(state, first_batch).compile()
+        host_memory.release_freed_memory()
+        train_batches = itertools.chain([first_batch], train_batches)
     try:
         with stop.installed():
             while step < total_steps:
@@ -306,6 +314,7 @@ def train_and_evaluate(
                     pending, pending_start = [], step
                 if evaluate:
                     final = run_eval(step)
+                    host_memory.release_freed_memory()  # the first one compiles the eval steps
                     logger.start_timer(step)
                 if save:
                     ckpt.save(step, state, meta)
