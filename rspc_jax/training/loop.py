@@ -270,14 +270,14 @@ def train_and_evaluate(
     pending, pending_start = [], start_step
     step = start_step
     final = run_eval(step) if step >= total_steps else {}
-    if step < total_steps:
-        # Compiled before the first step runs (which then finds it cached), so that the
-        # compiler's freed memory is returned before the step's buffers are allocated.
-        first_batch = next(train_batches)
-        train_step.lower(state, first_batch).compile()
-        host_memory.release_freed_memory()
-        train_batches = itertools.chain([first_batch], train_batches)
     try:
+        if step < total_steps:
+            # Compiled before the first step runs (which then finds it cached), so that the
+            # compiler's freed memory is returned before the step's buffers are allocated.
+            first_batch = next(train_batches)
+            train_step.lower(state, first_batch).compile()
+            host_memory.release_freed_memory()
+            train_batches = itertools.chain([first_batch], train_batches)
         with stop.installed():
             while step < total_steps:
                 # A failed background save stops the run here, at once on one host; hosts
