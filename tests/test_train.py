@@ -246,6 +246,24 @@ def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data
     assert identity.ste_clip is None and official.ste_clip == 1.0
 
 
+def _before_each_train_step(monkeypatch, hook):
+    """Makes the loop's train step call `hook()` before each step; its `lower` (the loop
+    compiles ahead of step 1) stays the jitted step's."""
+    build = setup.build
+
+    def hooked_build(*args, **kwargs):
+        parts = build(*args, **kwargs)
+
+        def train_step(state, batch):
+            hook()
+            return parts.train_step(state, batch)
+
+        train_step.lower = parts.train_step.lower
+        return parts._replace(train_step=train_step)
+
+    monkeypatch.setattr(setup, "build", hooked_build)
+
+
 def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_path, monkeypatch):
     """The steady-state loop: under jax.transfer_guard('disallow'), and neither
     device_get nor block_until_ready is called except at the first, log, eval,
@@ -260,17 +278,11 @@ def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_
         transfer_guard="disallow",
     )
     executed, waits = [0], []
-    build = setup.build
 
-    def counting_build(*args, **kwargs):
-        parts = build(*args, **kwargs)
+    def count():
+        executed[0] += 1
 
-        def train_step(state, batch):
-            executed[0] += 1
-            return parts.train_step(state, batch)
-
-        train_step.lower = parts.train_step.lower  # the loop compiles ahead of step 1
-        return parts._replace(train_step=train_step)
+    _before_each_train_step(monkeypatch, count)
 
     def recording(fn):
         def wrapper(*args, **kwargs):
@@ -279,7 +291,6 @@ def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_
 
         return wrapper
 
-    monkeypatch.setattr(setup, "build", counting_build)
     monkeypatch.setattr(jax, "device_get", recording(jax.device_get))
     monkeypatch.setattr(jax, "block_until_ready", recording(jax.block_until_ready))
     result = train.train_and_evaluate(config, str(tmp_path / "run"))
@@ -295,23 +306,12 @@ def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
     the process peak does not hold both; the step then runs from the cache (one compile)."""
     config = smoke_config(digits_data_dir, total_steps=2, eval_every_steps=100)
     events = []
-    build = setup.build
-
-    def recording_build(*args, **kwargs):
-        parts = build(*args, **kwargs)
-
-        def train_step(state, batch):
-            events.append("step")
-            return parts.train_step(state, batch)
-
-        train_step.lower = parts.train_step.lower
-        return parts._replace(train_step=train_step)
+    _before_each_train_step(monkeypatch, lambda: events.append("step"))
 
     def on_compile(name, secs, fun_name="", **kwargs):
         if name == "/jax/core/compile/backend_compile_duration" and "train_step" in fun_name:
             events.append("compile")
 
-    monkeypatch.setattr(setup, "build", recording_build)
     monkeypatch.setattr(host_memory, "release_freed_memory", lambda: events.append("release"))
     jax.monitoring.register_event_duration_secs_listener(on_compile)
     try:
