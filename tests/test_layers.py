@@ -149,6 +149,9 @@ def test_an_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="not one of"):
         with ops.attention_implementation("flash"):
             pass
+    with pytest.raises(ValueError, match="not one of"):
+        with ops.cpu_schedule("memory"):
+            pass
 
 
 def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():

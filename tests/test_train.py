@@ -15,6 +15,7 @@ import pytest
 
 from rspc_jax import parallel, rspc
 from rspc_jax.data import specs as datasets
+from rspc_jax.models import ops
 from rspc_jax.training import host_memory, mixup, setup
 from rspc_jax.training import loop as train
 from rspc_jax.training import step as train_step_lib
@@ -357,3 +358,29 @@ print(before, rss_mib())
     assert result.returncode == 0, result.stderr[-2000:]
     before, after = map(int, result.stdout.split())
     assert before - after > 200, (before, after)
+
+
+def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_no_value(
+    digits_data_dir,
+):
+    """XLA:CPU's memory-optimized schedule (`ops.compiler_options`, the default): the RSPC
+    step needs a smaller temporary buffer than with XLA's own schedule, and its new state
+    and metrics are bitwise the same."""
+    config = smoke_config(digits_data_dir)
+    spec = datasets.dataset_spec(config.dataset)
+    mesh = parallel.create_mesh()
+    batch = parallel.to_global(first_batches(config)[0], mesh)
+    results = {}
+    for choice in ("auto", "xla"):
+        with ops.cpu_schedule(choice):
+            model = setup.build_model(config, spec.num_classes)
+            parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
+        state = parts.init(jax.random.PRNGKey(0))
+        compiled = parts.train_step.lower(state, batch).compile()
+        new_state, metrics = compiled(state, batch)
+        temp_bytes = compiled.memory_analysis().temp_size_in_bytes
+        results[choice] = temp_bytes, jax.device_get((new_state, metrics))
+    assert results["auto"][0] < results["xla"][0], (results["auto"][0], results["xla"][0])
+    leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
+    for a, b in zip(leaves_auto, leaves_xla, strict=True):
+        np.testing.assert_array_equal(a, b)

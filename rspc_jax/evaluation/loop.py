@@ -23,6 +23,7 @@ from rspc_jax.data import eval as data
 from rspc_jax.data import eval as eval_data
 from rspc_jax.data import specs as datasets
 from rspc_jax.evaluation import occlusion, protocols
+from rspc_jax.models import ops
 
 # (this host's iterator of (uint8 image, label), the largest host's example count)
 Source = tuple[Iterator[tuple[np.ndarray, int]], int]
@@ -166,7 +167,8 @@ def sharded(ctx: Context, fn: Callable, name: str = "") -> Callable:
             in_specs=(P(), P(parallel.DATA_AXIS), P()),
             out_specs=P(parallel.DATA_AXIS),
             check_vma=False,
-        )
+        ),
+        compiler_options=ops.compiler_options(),
     )
     if name:
         ctx.compiled[name] = step
@@ -215,7 +217,8 @@ def sharded_sum(ctx: Context, fn: Callable) -> Callable:
             in_specs=(P(), P(parallel.DATA_AXIS)),
             out_specs=P(),
             check_vma=False,
-        )
+        ),
+        compiler_options=ops.compiler_options(),
     )
 
 

@@ -1,6 +1,7 @@
-"""Ops with a backend-specific implementation behind one switch each, so the models read
-the same on every backend: window ops (dense and depthwise convolution, max-pooling) and
-attention whose maps are not needed (`use_fused_attention`).
+"""Backend-specific choices behind one switch each, so the models and steps read the same on
+every backend: window ops (dense and depthwise convolution, max-pooling), attention whose maps
+are not needed (`use_fused_attention`), and XLA:CPU's instruction schedule for the jitted
+steps (`compiler_options`).
 
 XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
 matrix products and elementwise ops, so on CPU these ops are written as gathered windows
@@ -45,6 +46,7 @@ class _Switch:
 
 _window_ops = _Switch("RSPC_JAX_WINDOW_OPS", ("auto", "windows", "xla"))
 _attention = _Switch("RSPC_JAX_ATTENTION", ("auto", "fused", "explicit"))
+_cpu_schedule = _Switch("RSPC_JAX_CPU_SCHEDULE", ("auto", "xla"))
 
 
 def use_window_ops() -> bool:
@@ -72,6 +74,25 @@ def use_fused_attention() -> bool:
 def attention_implementation(choice: str):
     """Traces the models with attention `choice` ('auto', 'fused', 'explicit') in the block."""
     return _attention.override(choice)
+
+
+def compiler_options() -> dict[str, str] | None:
+    """XLA options for jitting the train and eval steps, read when they are jitted.
+
+    On CPU, the memory-optimized instruction schedule: XLA:CPU's default orders independent
+    ops so that its threads can run them concurrently, which keeps their buffers alive
+    together; with the memory schedule the RVT-Ti* train step's temporaries fall from 1610
+    to 961 MiB at batch 8, and the steps run as fast on 2 cores (docs/speed.md, "CPU: the
+    memory-optimized schedule"). `RSPC_JAX_CPU_SCHEDULE` = auto (default) | xla (XLA's own
+    schedule), or `cpu_schedule(...)` in code. Scheduling does not change any value."""
+    if _cpu_schedule.get() == "auto" and jax.default_backend() == "cpu":
+        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    return None
+
+
+def cpu_schedule(choice: str):
+    """Jits the steps with XLA:CPU schedule `choice` ('auto', 'xla') in the block."""
+    return _cpu_schedule.override(choice)
 
 
 def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:

@@ -25,6 +25,7 @@ import optax
 
 from rspc_jax import rspc
 from rspc_jax.evaluation import selection
+from rspc_jax.models import ops
 from rspc_jax.parallel import DATA_AXIS, sharded_axis
 from rspc_jax.training import adversarial as adversarial_training
 from rspc_jax.training import mixup, patch_aug
@@ -475,4 +476,4 @@ def make_train_step(mesh: Mesh, state_specs: TrainState, **kwargs):
     sharded = jax.shard_map(
         step, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=(state_specs, P())
     )
-    return jax.jit(sharded, donate_argnums=0)
+    return jax.jit(sharded, donate_argnums=0, compiler_options=ops.compiler_options())
