@@ -3,8 +3,10 @@ count (RSPC's step does at least twice the plain step's work) and memory estimat
 
 import os
 import re
+import sys
 
 from rspc_jax.tools import benchmark, profiling
+from rspc_jax.training import host_memory
 from tests.conftest import run_python
 
 _ROW = (
@@ -246,3 +248,22 @@ def test_benchmarks_refuse_fewer_than_one_step_or_round():
             result = run_python(["-m", module, *extra, flag], timeout=120)
             assert result.returncode != 0
             assert f"flag {flag}: 0 is not a positive integer" in result.stderr, result.stderr
+
+
+def test_side_by_side_rounds_start_from_released_memory(monkeypatch, capsys):
+    """What the table's code freed after its steps is returned to the OS before the rounds'
+    steps, so our peak beside the reference's is the step's own, as in the table."""
+    events = []
+    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: events.append("release"))
+
+    def time_steps(count):
+        events.append("steps")
+        return [0.1] * count, 1.0
+
+    reference = [sys.executable, "-c", "import json; print(json.dumps({'times': [0.2]}))"]
+    medians = benchmark.compare_side_by_side(
+        {"plain": {"time_steps": time_steps}}, {"plain": ("ref", reference)}, steps=2, rounds=2
+    )
+    assert events == ["release"] + ["steps"] * 4  # a warm-up and 2 steps per round
+    assert medians == {"ref": 0.2, "plain": 0.1}
+    assert "2 interleaved rounds of 2 steps each" in capsys.readouterr().out

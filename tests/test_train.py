@@ -384,3 +384,31 @@ def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_
     leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
     for a, b in zip(leaves_auto, leaves_xla, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_state_initialiser_keeps_no_compiled_program(digits_data_dir):
+    """A run creates its state once: the initialiser's program (every parameter's
+    initialiser) is dropped after the call rather than kept in memory beside the train
+    step's, so a second call compiles it again."""
+    config = smoke_config(digits_data_dir)
+    spec = datasets.dataset_spec(config.dataset)
+    model = setup.build_model(config, spec.num_classes)
+    parts = setup.build(config, model, spec, parallel.create_mesh(), 20, 20)
+    compiles = []
+
+    def on_compile(name, secs, fun_name="", **kwargs):
+        if (
+            name == "/jax/core/compile/backend_compile_duration"
+            and "create_train_state" in fun_name
+        ):
+            compiles.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        first = parts.init(jax.random.PRNGKey(0))
+        second = parts.init(jax.random.PRNGKey(0))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+    assert len(compiles) == 2, compiles
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -88,6 +88,16 @@ def time_step(
     lowered = parts.train_step.lower(state, global_batch)
     compiled = lowered.compile()
     compile_sec = time.perf_counter() - start
+    flops = _step_flops(lowered)
+    if config.scan_blocks or config.grad_accum_steps > 1:
+        # XLA counts a loop body once, not once per block or micro-batch: count the step
+        # without these loops (the same math).
+        unrolled = config.copy_and_resolve_references()
+        unrolled.scan_blocks, unrolled.grad_accum_steps = False, 1
+        flops = _step_flops(
+            _train_parts(unrolled, spec, mesh).train_step.lower(state, global_batch)
+        )
+    del lowered, parts  # the step's module and traces: the steps run without them
     host_memory.release_freed_memory()  # as the training loop does before its first step
 
     def step():
@@ -107,15 +117,6 @@ def time_step(
         with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
             f.write(hlo)  # the optimised HLO the trace's op names refer to
         top = profiling.top_ops(trace_file, hlo, steps=2, count=None)
-    flops = _step_flops(lowered)
-    if config.scan_blocks or config.grad_accum_steps > 1:
-        # XLA counts a loop body once, not once per block or micro-batch: count the step
-        # without these loops (the same math).
-        unrolled = config.copy_and_resolve_references()
-        unrolled.scan_blocks, unrolled.grad_accum_steps = False, 1
-        flops = _step_flops(
-            _train_parts(unrolled, spec, mesh).train_step.lower(state, global_batch)
-        )
     peak = peak_flops(jax.devices()[0].device_kind, config.compute_dtype or "float32")
     stats = jax.devices()[0].memory_stats() or {}
     return dict(
@@ -248,6 +249,7 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     samples = {label: [] for label, _ in references.values()} | {name: [] for name in results}
     busy = {name: [] for name in samples}
     records = {}
+    host_memory.release_freed_memory()  # what the table freed since its steps: not theirs
     for _ in range(rounds):
         for label, command in references.values():
             records[label] = _run_reference(label, command)

@@ -153,8 +153,24 @@ def state_specs(state: train_step_lib.TrainState, sharding: str, num_devices: in
 
 
 class Parts(NamedTuple):
-    init: Callable  # rng -> TrainState, laid out as `config.sharding` says
+    init: Callable  # rng -> TrainState, laid out as `config.sharding` says; keeps no program
     train_step: Callable  # (state, global batch) -> (state, metrics)
+
+
+def _dropping_its_program(init: Callable) -> Callable:
+    """`init` (jitted), which drops its compiled program and traces after each call: a run
+    creates its state once, and on CPU the program (every parameter's initialiser) would
+    stay in host memory beside the train step's, 160 MiB for RVT-Ti* (docs/speed.md, 'CPU:
+    the memory-optimized schedule')."""
+
+    @functools.wraps(init)
+    def run(rng):
+        try:
+            return init(rng)
+        finally:
+            init.clear_cache()
+
+    return run
 
 
 def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> Parts:
@@ -188,7 +204,7 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     )
     specs = state_specs(jax.eval_shape(create, jax.random.PRNGKey(0)), config.sharding, mesh.size)
     # A fresh state is created in its layout, and a checkpoint restores into it.
-    init = jax.jit(create, out_shardings=parallel.shardings(mesh, specs))
+    init = _dropping_its_program(jax.jit(create, out_shardings=parallel.shardings(mesh, specs)))
     train_step = train_step_lib.make_train_step(
         mesh,
         specs,
