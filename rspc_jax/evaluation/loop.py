@@ -19,7 +19,6 @@ import ml_collections
 import numpy as np
 
 from rspc_jax import parallel, rspc
-from rspc_jax.data import eval as data
 from rspc_jax.data import eval as eval_data
 from rspc_jax.data import specs as datasets
 from rspc_jax.evaluation import occlusion, protocols
@@ -96,9 +95,9 @@ class Context:
         devices = jax.local_device_count()
         needed = -(-min(largest, host_limit or largest) // devices) * devices
         local_batch = min(local_batch or self.local_batch, max(needed, devices))
-        count = data.num_batches(largest, local_batch, host_limit)
+        count = eval_data.num_batches(largest, local_batch, host_limit)
         size = self.config.image_size
-        local = data.host_batches(
+        local = eval_data.host_batches(
             examples,
             local_batch=local_batch,
             batches=count,
