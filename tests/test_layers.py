@@ -13,6 +13,7 @@ import pytest
 
 from rspc_jax import models
 from rspc_jax.models import layers, ops
+from tests.conftest import run_python
 
 
 def _assert_same_values_and_gradients(fn, expected_fn, *args):
@@ -152,6 +153,17 @@ def test_an_unknown_implementation_is_refused():
     with pytest.raises(ValueError, match="not one of"):
         with ops.cpu_schedule("memory"):
             pass
+
+
+def test_a_bad_switch_in_the_environment_fails_with_its_fix_and_no_traceback():
+    result = run_python(
+        ["-m", "rspc_jax.benchmark", "--config=configs/demo.py:smoke", "--steps=1"],
+        env_extra={"RSPC_JAX_CPU_SCHEDULE": "memory"},
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "RSPC_JAX_CPU_SCHEDULE='memory' is not one of" in result.stderr
+    assert "unset it" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():

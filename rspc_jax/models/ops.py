@@ -19,6 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rspc_jax import ConfigError
+
 
 class _Switch:
     """An implementation choice: an environment variable's value (default 'auto'), which
@@ -30,13 +32,16 @@ class _Switch:
 
     def get(self) -> str:
         if self.value not in self.choices:
-            raise ValueError(f"{self.variable}={self.value!r} is not one of {self.choices}")
+            raise ConfigError(
+                f"the environment variable {self.variable}={self.value!r} is not one of "
+                f"{self.choices}: set it to one of them, or unset it for 'auto'"
+            )
         return self.value
 
     @contextlib.contextmanager
     def override(self, choice: str):
         if choice not in self.choices:
-            raise ValueError(f"{self.variable} choice {choice!r} is not one of {self.choices}")
+            raise ConfigError(f"{self.variable} choice {choice!r} is not one of {self.choices}")
         previous, self.value = self.value, choice
         try:
             yield
