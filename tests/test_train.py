@@ -1,5 +1,6 @@
 """The train step and loop: ascent/descent signs, resume, errors, the demo end to end."""
 
+import contextlib
 import functools
 import logging
 import os
@@ -265,6 +266,22 @@ def _before_each_train_step(monkeypatch, hook):
     monkeypatch.setattr(setup, "build", hooked_build)
 
 
+@contextlib.contextmanager
+def _on_compile_of(function_name: str, hook):
+    """Calls `hook()` whenever XLA compiles a jitted function whose name contains
+    `function_name`, inside the block."""
+
+    def on_compile(name, secs, fun_name="", **kwargs):
+        if name == "/jax/core/compile/backend_compile_duration" and function_name in fun_name:
+            hook()
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_compile)
+
+
 def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_path, monkeypatch):
     """The steady-state loop: under jax.transfer_guard('disallow'), and neither
     device_get nor block_until_ready is called except at the first, log, eval,
@@ -308,17 +325,9 @@ def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
     config = smoke_config(digits_data_dir, total_steps=2, eval_every_steps=100)
     events = []
     _before_each_train_step(monkeypatch, lambda: events.append("step"))
-
-    def on_compile(name, secs, fun_name="", **kwargs):
-        if name == "/jax/core/compile/backend_compile_duration" and "train_step" in fun_name:
-            events.append("compile")
-
     monkeypatch.setattr(host_memory, "release_freed_memory", lambda: events.append("release"))
-    jax.monitoring.register_event_duration_secs_listener(on_compile)
-    try:
+    with _on_compile_of("train_step", lambda: events.append("compile")):
         train.train_and_evaluate(config, str(tmp_path / "run"))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_compile)
     assert events[:4] == ["compile", "release", "step", "step"], events
     assert events.count("compile") == 1
     assert events[-1] == "release"  # after the last step's evaluation compiled the eval steps
@@ -395,20 +404,9 @@ def test_the_state_initialiser_keeps_no_compiled_program(digits_data_dir):
     model = setup.build_model(config, spec.num_classes)
     parts = setup.build(config, model, spec, parallel.create_mesh(), 20, 20)
     compiles = []
-
-    def on_compile(name, secs, fun_name="", **kwargs):
-        if (
-            name == "/jax/core/compile/backend_compile_duration"
-            and "create_train_state" in fun_name
-        ):
-            compiles.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(on_compile)
-    try:
+    with _on_compile_of("create_train_state", lambda: compiles.append("compile")):
         first = parts.init(jax.random.PRNGKey(0))
         second = parts.init(jax.random.PRNGKey(0))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_compile)
     assert len(compiles) == 2, compiles
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True):
         np.testing.assert_array_equal(a, b)
