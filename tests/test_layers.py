@@ -120,8 +120,8 @@ def test_output_channels_must_be_a_multiple_of_the_input_channels():
 
 
 def test_the_switch_gives_the_same_model_on_both_implementations():
-    """A whole RVT (dense, depthwise and pooling window ops) traced with each
-    implementation: same logits and gradients to float32 rounding."""
+    """A whole RVT (dense, depthwise and pooling window ops; PAAS's sum over the batch)
+    traced with each implementation: same logits and gradients to float32 rounding."""
     model = models.create(
         "rvt_tiny_plus", num_classes=5, base_dims=(8, 8), depth=(1, 1), heads=(2, 4), masked_block=1
     )
@@ -133,14 +133,36 @@ def test_the_switch_gives_the_same_model_on_both_implementations():
         return jnp.sum(logits**2), logits
 
     results = {}
-    for choice in ("windows", "xla"):
-        with ops.implementation(choice):
+    for choice, batch_sum in (("windows", "pairwise"), ("xla", "xla")):
+        with ops.implementation(choice), ops.batch_sum_implementation(batch_sum):
             results[choice] = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     (_, logits_w), grads_w = results["windows"]
     (_, logits_x), grads_x = results["xla"]
     np.testing.assert_allclose(logits_w, logits_x, rtol=1e-4, atol=1e-4)
     for g_w, g_x in zip(jax.tree.leaves(grads_w), jax.tree.leaves(grads_x), strict=True):
         np.testing.assert_allclose(g_w, g_x, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_a_parameter_broadcast_over_the_batch_has_the_sum_as_gradient_either_way(batch):
+    """`broadcast_over_batch`'s gradient, the sum over the batch, as pairwise sums of halves
+    (CPU) and as XLA's reduction: the same to float32 rounding, odd batches included."""
+    shared = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 5))
+    target = jax.random.normal(jax.random.PRNGKey(1), (batch, 3, 5, 5))
+
+    def loss(shared):
+        return jnp.sum(ops.broadcast_over_batch(shared, batch) * target)
+
+    values, grads, programs = {}, {}, {}
+    for choice in ("pairwise", "xla"):
+        with ops.batch_sum_implementation(choice):
+            values[choice] = ops.broadcast_over_batch(shared, batch)
+            grads[choice] = jax.jit(jax.grad(loss))(shared)
+            programs[choice] = str(jax.make_jaxpr(jax.grad(loss))(shared))
+    assert programs["pairwise"] != programs["xla"]  # the switch changed the computation
+    for choice in ("pairwise", "xla"):
+        np.testing.assert_array_equal(values[choice], jnp.broadcast_to(shared, target.shape))
+        np.testing.assert_allclose(grads[choice], jnp.sum(target, axis=0), rtol=1e-5, atol=1e-6)
 
 
 def test_an_unknown_implementation_is_refused():
@@ -152,6 +174,9 @@ def test_an_unknown_implementation_is_refused():
             pass
     with pytest.raises(ValueError, match="not one of"):
         with ops.cpu_schedule("memory"):
+            pass
+    with pytest.raises(ValueError, match="not one of"):
+        with ops.batch_sum_implementation("tree"):
             pass
 
 

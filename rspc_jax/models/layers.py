@@ -222,7 +222,8 @@ class Attention(nn.Module):
             return nn.Dropout(self.dropout, deterministic=not train)(out), None
         logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) * head_dim**-0.5
         if self.paas:
-            logits = logits * jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
+            scale = jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
+            logits = logits * ops.broadcast_over_batch(scale, batch)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)
         attn = _softmax(logits.astype(jnp.float32), key_keep).astype(x.dtype)

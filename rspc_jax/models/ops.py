@@ -1,7 +1,8 @@
 """Backend-specific choices behind one switch each, so the models and steps read the same on
 every backend: window ops (dense and depthwise convolution, max-pooling), attention whose maps
-are not needed (`use_fused_attention`), and XLA:CPU's instruction schedule for the jitted
-steps (`compiler_options`).
+are not needed (`use_fused_attention`), the gradient of a parameter shared by every example
+(`broadcast_over_batch`), and XLA:CPU's instruction schedule for the jitted steps
+(`compiler_options`).
 
 XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
 matrix products and elementwise ops, so on CPU these ops are written as gathered windows
@@ -52,6 +53,7 @@ class _Switch:
 _window_ops = _Switch("RSPC_JAX_WINDOW_OPS", ("auto", "windows", "xla"))
 _attention = _Switch("RSPC_JAX_ATTENTION", ("auto", "fused", "explicit"))
 _cpu_schedule = _Switch("RSPC_JAX_CPU_SCHEDULE", ("auto", "xla"))
+_batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
 
 
 def use_window_ops() -> bool:
@@ -79,6 +81,46 @@ def use_fused_attention() -> bool:
 def attention_implementation(choice: str):
     """Traces the models with attention `choice` ('auto', 'fused', 'explicit') in the block."""
     return _attention.override(choice)
+
+
+def broadcast_over_batch(x: jax.Array, batch: int) -> jax.Array:
+    """`batch` copies of `x` along a new leading axis: a parameter that every example uses
+    (RVT*'s PAAS mask). Its gradient is the sum over that axis, which XLA:CPU runs 10-15
+    times slower than the same adds written as pairwise sums of halves when the summed
+    arrays are large (at batch 8, RVT-Ti*'s PAAS mask gradient took 7.2 against 0.5 ms,
+    14% of its step; docs/speed.md, "CPU: sums over the batch"). `RSPC_JAX_BATCH_SUM` =
+    auto (default: pairwise on CPU, XLA's reduction elsewhere) | pairwise | xla, or
+    `batch_sum_implementation(...)` in code. The same values to float32 rounding."""
+    choice = _batch_sum.get()
+    if choice == "pairwise" or (choice == "auto" and jax.default_backend() == "cpu"):
+        return _broadcast_summed_pairwise(x, batch)
+    return jnp.broadcast_to(x, (batch,) + x.shape)
+
+
+def batch_sum_implementation(choice: str):
+    """Traces the models with batch sums `choice` ('auto', 'pairwise', 'xla') in the block."""
+    return _batch_sum.override(choice)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _broadcast_summed_pairwise(x: jax.Array, batch: int) -> jax.Array:
+    return jnp.broadcast_to(x, (batch,) + x.shape)
+
+
+def _broadcast_summed_pairwise_fwd(x, batch):
+    return jnp.broadcast_to(x, (batch,) + x.shape), None
+
+
+def _broadcast_summed_pairwise_bwd(batch, residuals, grad):
+    total = grad.astype(jnp.float32)
+    while total.shape[0] > 1:
+        half = total.shape[0] // 2
+        pairs = total[:half] + total[half : 2 * half]
+        total = jnp.concatenate([pairs, total[2 * half :]]) if total.shape[0] % 2 else pairs
+    return (total[0].astype(grad.dtype),)
+
+
+_broadcast_summed_pairwise.defvjp(_broadcast_summed_pairwise_fwd, _broadcast_summed_pairwise_bwd)
 
 
 def compiler_options() -> dict[str, str] | None:
