@@ -85,12 +85,13 @@ def attention_implementation(choice: str):
 
 def broadcast_over_batch(x: jax.Array, batch: int) -> jax.Array:
     """`batch` copies of `x` along a new leading axis: a parameter that every example uses
-    (RVT*'s PAAS mask). Its gradient is the sum over that axis, which XLA:CPU runs 10-15
+    (RVT*'s PAAS mask). Its gradient is the sum over that axis, which XLA:CPU runs 9-19
     times slower than the same adds written as pairwise sums of halves when the summed
-    arrays are large (at batch 8, RVT-Ti*'s PAAS mask gradient took 7.2 against 0.5 ms,
-    14% of its step; docs/speed.md, "CPU: sums over the batch"). `RSPC_JAX_BATCH_SUM` =
-    auto (default: pairwise on CPU, XLA's reduction elsewhere) | pairwise | xla, or
-    `batch_sum_implementation(...)` in code. The same values to float32 rounding."""
+    arrays are large (at batch 8, RVT-Ti*'s PAAS mask gradient took 7.2 against 0.5 ms; the
+    ten took 13% of its step's op time; docs/speed.md, "CPU: sums over the batch").
+    `RSPC_JAX_BATCH_SUM` = auto (default: pairwise on CPU, XLA's reduction elsewhere) |
+    pairwise | xla, or `batch_sum_implementation(...)` in code. The same values to float32
+    rounding."""
     choice = _batch_sum.get()
     if choice == "pairwise" or (choice == "auto" and jax.default_backend() == "cpu"):
         return _broadcast_summed_pairwise(x, batch)
