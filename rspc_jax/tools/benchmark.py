@@ -88,7 +88,6 @@ def time_step(
     lowered = parts.train_step.lower(state, global_batch)
     compiled = lowered.compile()
     compile_sec = time.perf_counter() - start
-    flops = _step_flops(lowered)
     if config.scan_blocks or config.grad_accum_steps > 1:
         # XLA counts a loop body once, not once per block or micro-batch: count the step
         # without these loops (the same math).
@@ -97,6 +96,8 @@ def time_step(
         flops = _step_flops(
             _train_parts(unrolled, spec, mesh).train_step.lower(state, global_batch)
         )
+    else:
+        flops = _step_flops(lowered)
     del lowered, parts  # the step's module and traces: the steps run without them
     host_memory.release_freed_memory()  # as the training loop does before its first step
 
