@@ -5,6 +5,8 @@ import os
 import re
 import sys
 
+import pytest
+
 from rspc_jax.tools import benchmark, profiling
 from rspc_jax.training import host_memory
 from tests.conftest import run_python
@@ -267,3 +269,17 @@ def test_side_by_side_rounds_start_from_released_memory(monkeypatch, capsys):
     assert events == ["release"] + ["steps"] * 4  # a warm-up and 2 steps per round
     assert medians == {"ref": 0.2, "plain": 0.1}
     assert "2 interleaved rounds of 2 steps each" in capsys.readouterr().out
+
+
+def test_pytorch_references_use_the_cores_the_process_may_run_on():
+    """Under `taskset -c 0` PyTorch gets one thread, not one per core of the machine (which
+    would time-share the one core and slow the reference down)."""
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("this platform has no CPU affinity masks")
+    script = (
+        "import os; from rspc_jax.tools import timing; "
+        "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(timing.usable_cores())"
+    )
+    result = run_python(["-c", script], timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["1"]

@@ -12,7 +12,6 @@ respect to the input and every parameter. Ours and timm's alternate for --rounds
 stays out of the ratio); torch uses every core, as XLA does.
 """
 
-import os
 import statistics
 
 from absl import flags
@@ -105,7 +104,7 @@ def compare(
         ) from None
     if model and not timm.is_model(model):
         raise SystemExit(f"--model={model} is not a timm model; use a ViT/DeiT or XCiT name")
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(timing.usable_cores())
     torch.manual_seed(0)
     tokens_in = jax.random.normal(jax.random.PRNGKey(3), (batch, tokens, width))
     torch_tokens = torch.randn(batch, tokens, width, requires_grad=True)

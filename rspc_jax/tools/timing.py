@@ -2,7 +2,17 @@
 PyTorch references they are compared with (which import this module in their own process,
 so it imports nothing heavy)."""
 
+import os
 import time
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under `taskset` or a
+    container's cpuset), which is what PyTorch's thread pool should match: more threads
+    than cores time-share them and slow PyTorch's steps down."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def time_calls(call, count: int) -> tuple[list[float], float]:

@@ -30,7 +30,6 @@ def time_timm_step(
     threads: int = 0,
 ) -> dict:
     """Median seconds of timm's train step and this process's peak RSS."""
-    import os
 
     try:
         import timm
@@ -48,7 +47,7 @@ def time_timm_step(
             "--compare_timm covers the ViT/DeiT and XCiT configs (for RVT and FAN, time the "
             "official code: docs/speed.md)"
         )
-    torch.set_num_threads(threads or os.cpu_count())
+    torch.set_num_threads(threads or timing.usable_cores())
     torch.manual_seed(0)
     model = timm.create_model(
         model_name, num_classes=num_classes, drop_path_rate=drop_path, img_size=image_size
@@ -113,7 +112,7 @@ def _define_flags() -> None:
     flags.DEFINE_float("drop_path", 0.1, "Stochastic depth rate.")
     flags.DEFINE_float("label_smoothing", 0.1, "Label smoothing.")
     flags.DEFINE_float("ema_decay", 0.0, "EMA decay (0 = no EMA).")
-    flags.DEFINE_integer("threads", 0, "torch threads (0 = all cores).")
+    flags.DEFINE_integer("threads", 0, "torch threads (0 = every core this process may run on).")
 
 
 if __name__ == "__main__":
