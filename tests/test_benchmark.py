@@ -1,6 +1,8 @@
 """The benchmark script runs at smoke size and prints both steps, their ratio, XLA's FLOP
 count (RSPC's step does at least twice the plain step's work) and memory estimate."""
 
+import importlib.util
+import json
 import os
 import re
 import sys
@@ -9,7 +11,7 @@ import pytest
 
 from rspc_jax.tools import benchmark, profiling
 from rspc_jax.training import host_memory
-from tests.conftest import run_python
+from tests.conftest import REPO, run_python
 
 _ROW = (
     r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+\s+\d+\.\d+\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)"
@@ -211,6 +213,24 @@ def test_compare_command_refuses_unknown_variants_and_bad_records():
     )
     assert result.returncode != 0
     assert "must print, as its last line, a JSON record with 'times'" in result.stderr
+
+
+def test_timm_step_mixes_batches_as_the_config_does():
+    """The reference does the Mixup/CutMix our step does (deit_s: 0.8 / 1.0), with the
+    config's settings, so neither side is timed for work the other skips."""
+    spec = importlib.util.spec_from_file_location("deit_s", REPO / "configs" / "deit_s.py")
+    deit_s = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(deit_s)
+    command = benchmark.timm_command(deit_s.get_config(), steps=1)
+    assert "--mixup_alpha=0.8" in command and "--cutmix_alpha=1.0" in command
+    tiny = ["--model=deit_tiny_patch16_224", "--image_size=32", "--batch=2", "--steps=2"]
+    records = {}
+    for alphas in ([], ["--mixup_alpha=0.8", "--cutmix_alpha=1.0"]):
+        result = run_python(["-m", "rspc_jax.tools.timm_step", *tiny, *alphas], timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records[bool(alphas)] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert records[False]["mixup"] is False and records[True]["mixup"] is True
+    assert len(records[True]["times"]) == 2
 
 
 def test_compare_timm_refuses_a_model_timm_does_not_have():

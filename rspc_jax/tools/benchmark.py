@@ -219,6 +219,10 @@ def timm_command(config, steps: int) -> list[str]:
         f"--drop_path={config.model.get('drop_path_rate', 0.0)}",
         f"--label_smoothing={config.label_smoothing}",
         f"--ema_decay={config.ema_decay}",
+        f"--mixup_alpha={config.mixup.mixup_alpha}",
+        f"--cutmix_alpha={config.mixup.cutmix_alpha}",
+        f"--mixup_prob={config.mixup.prob}",
+        f"--switch_prob={config.mixup.switch_prob}",
     ]
 
 

@@ -3,10 +3,12 @@ side-by-side comparison of `python -m rspc_jax.benchmark --compare_timm`.
 
     python -m rspc_jax.tools.timm_step --model=deit_small_patch16_224 --batch=8 --steps=5
 
-One step is what our plain step does for a ViT/DeiT or XCiT config: a train-mode forward
-(drop path), soft-target cross-entropy with label smoothing, backward, AdamW, and the EMA
-update when `--ema_decay` > 0 (timm's ModelEmaV2). It runs in its own process so that its
-peak memory (VmHWM) is its own; the last line printed is a JSON record.
+One step is what our plain step does for a ViT/DeiT or XCiT config: Mixup/CutMix of the
+batch when an alpha is positive (timm's `Mixup`, which timm's and the official training loops
+apply to each batch), a train-mode forward (drop path), soft-target cross-entropy with label
+smoothing, backward, AdamW, and the EMA update when `--ema_decay` > 0 (timm's ModelEmaV2). It
+runs in its own process so that its peak memory (VmHWM) is its own; the last line printed is
+a JSON record.
 """
 
 import json
@@ -27,12 +29,17 @@ def time_timm_step(
     drop_path: float,
     label_smoothing: float,
     ema_decay: float,
+    mixup_alpha: float = 0.0,
+    cutmix_alpha: float = 0.0,
+    mixup_prob: float = 1.0,
+    switch_prob: float = 0.5,
     threads: int = 0,
 ) -> dict:
     """Median seconds of timm's train step and this process's peak RSS."""
 
     try:
         import timm
+        from timm.data import Mixup
         from timm.utils import ModelEmaV2
         import torch
     except ImportError as error:
@@ -61,8 +68,21 @@ def time_timm_step(
     targets = torch.full((batch, num_classes), off).scatter_(
         1, labels[:, None], 1.0 - label_smoothing + off
     )
+    mixing = mixup_alpha > 0 or cutmix_alpha > 0
+    if mixing:
+        mix = Mixup(
+            mixup_alpha=mixup_alpha,
+            cutmix_alpha=cutmix_alpha,
+            prob=mixup_prob,
+            switch_prob=switch_prob,
+            label_smoothing=label_smoothing,
+            num_classes=num_classes,
+        )
 
     def step():
+        nonlocal images, targets
+        if mixing:  # in place, like the training loops; the work is the same on mixed images
+            images, targets = mix(images, labels)
         optimizer.zero_grad(set_to_none=True)
         logits = model(images)
         loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
@@ -80,6 +100,7 @@ def time_timm_step(
         times=times,
         peak_rss_bytes=timing.peak_rss_bytes(),
         cores_busy=cores_busy,
+        mixup=mixing,
         num_parameters=sum(p.numel() for p in model.parameters()),
     )
 
@@ -97,6 +118,10 @@ def main(argv):
         drop_path=f.drop_path,
         label_smoothing=f.label_smoothing,
         ema_decay=f.ema_decay,
+        mixup_alpha=f.mixup_alpha,
+        cutmix_alpha=f.cutmix_alpha,
+        mixup_prob=f.mixup_prob,
+        switch_prob=f.switch_prob,
         threads=f.threads,
     )
     print(json.dumps(result))
@@ -112,6 +137,10 @@ def _define_flags() -> None:
     flags.DEFINE_float("drop_path", 0.1, "Stochastic depth rate.")
     flags.DEFINE_float("label_smoothing", 0.1, "Label smoothing.")
     flags.DEFINE_float("ema_decay", 0.0, "EMA decay (0 = no EMA).")
+    flags.DEFINE_float("mixup_alpha", 0.0, "Mixup's Beta parameter (0 = off).")
+    flags.DEFINE_float("cutmix_alpha", 0.0, "CutMix's Beta parameter (0 = off).")
+    flags.DEFINE_float("mixup_prob", 1.0, "The probability of mixing a batch.")
+    flags.DEFINE_float("switch_prob", 0.5, "The probability of CutMix over Mixup.")
     flags.DEFINE_integer("threads", 0, "torch threads (0 = every core this process may run on).")
 
 
