@@ -407,12 +407,17 @@ def demo_run(digits_data_dir, tmp_path_factory):
     return cwd / "demo", result
 
 
+def load_config(path: pathlib.Path, arg=None):
+    """A config file's module and its `get_config(arg)`."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, module.get_config(arg)
+
+
 def smoke_config(data_dir: str, **overrides):
     """configs/demo.py:smoke with overrides given as dotted keys."""
-    spec = importlib.util.spec_from_file_location("demo_config", REPO / "configs" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    config = demo.get_config("smoke")
+    _, config = load_config(REPO / "configs" / "demo.py", "smoke")
     config.data_dir = data_dir
     for key, value in overrides.items():
         node = config

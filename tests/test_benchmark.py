@@ -1,7 +1,6 @@
 """The benchmark script runs at smoke size and prints both steps, their ratio, XLA's FLOP
 count (RSPC's step does at least twice the plain step's work) and memory estimate."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,7 +10,7 @@ import pytest
 
 from rspc_jax.tools import benchmark, profiling
 from rspc_jax.training import host_memory
-from tests.conftest import REPO, run_python
+from tests.conftest import REPO, load_config, run_python
 
 _ROW = (
     r"^{}\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+\d+\.\d+\s+\d+\.\d+\s+(\S+)\s+(\S+)\s+(\d+)\s+(\S+)"
@@ -218,10 +217,8 @@ def test_compare_command_refuses_unknown_variants_and_bad_records():
 def test_timm_step_mixes_batches_as_the_config_does():
     """The reference does the Mixup/CutMix our step does (deit_s: 0.8 / 1.0), with the
     config's settings, so neither side is timed for work the other skips."""
-    spec = importlib.util.spec_from_file_location("deit_s", REPO / "configs" / "deit_s.py")
-    deit_s = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(deit_s)
-    command = benchmark.timm_command(deit_s.get_config(), steps=1)
+    _, config = load_config(REPO / "configs" / "deit_s.py")
+    command = benchmark.timm_command(config, steps=1)
     assert "--mixup_alpha=0.8" in command and "--cutmix_alpha=1.0" in command
     tiny = ["--model=deit_tiny_patch16_224", "--image_size=32", "--batch=2", "--steps=2"]
     records = {}
@@ -231,6 +228,15 @@ def test_timm_step_mixes_batches_as_the_config_does():
         records[bool(alphas)] = json.loads(result.stdout.strip().splitlines()[-1])
     assert records[False]["mixup"] is False and records[True]["mixup"] is True
     assert len(records[True]["times"]) == 2
+
+
+def test_compare_timm_refuses_an_odd_batch_to_mix_before_compiling():
+    _, config = load_config(REPO / "configs" / "deit_s.py")
+    config.batch_size = 7
+    with pytest.raises(SystemExit, match="needs an even batch \\(got 7\\): pass an even --batch"):
+        benchmark.timm_command(config, steps=1)
+    config.mixup.mixup_alpha = config.mixup.cutmix_alpha = 0.0
+    assert "--batch=7" in benchmark.timm_command(config, steps=1)
 
 
 def test_compare_timm_refuses_a_model_timm_does_not_have():

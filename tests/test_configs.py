@@ -1,8 +1,6 @@
 """Every config file loads, validates and builds its model; CIFAR trains on tfds mock data."""
 
-import importlib.util
 import json
-import pathlib
 
 from flax import traverse_util
 import jax
@@ -14,7 +12,7 @@ import tensorflow_datasets as tfds
 from rspc_jax.data import specs as datasets
 from rspc_jax.training import loop as train
 from rspc_jax.training import setup
-from tests.conftest import REPO
+from tests.conftest import REPO, load_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 VARIANTS = {path.name: [None, "plain", "smoke"] for path in CONFIGS}
@@ -32,13 +30,6 @@ VARIANTS.update(
         "demo_study.py": [None, "smoke"],
     }
 )
-
-
-def load(path: pathlib.Path, arg=None):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, module.get_config(arg)
 
 
 def test_the_issue_configs_exist():
@@ -61,7 +52,7 @@ def test_the_issue_configs_exist():
 
 @pytest.mark.parametrize("name,arg", [(n, a) for n, args in VARIANTS.items() for a in args])
 def test_config_validates_and_builds_its_model(name, arg):
-    module, config = load(REPO / "configs" / name, arg)
+    module, config = load_config(REPO / "configs" / name, arg)
     assert f"python -m rspc_jax.main --config=configs/{name}" in module.__doc__
     setup.validate_config(config)
     spec = datasets.dataset_spec(config.dataset)
@@ -76,11 +67,11 @@ def test_config_validates_and_builds_its_model(name, arg):
 
 def test_unknown_variant_is_rejected():
     with pytest.raises(ValueError, match="unknown variant"):
-        load(REPO / "configs" / "demo.py", "tiny")
+        load_config(REPO / "configs" / "demo.py", "tiny")
 
 
 def test_cifar_smoke_trains_with_mixup_and_ema_on_mock_data(tmp_path):
-    _, config = load(REPO / "configs" / "cifar10_vit_s.py", "smoke")
+    _, config = load_config(REPO / "configs" / "cifar10_vit_s.py", "smoke")
     config.data_dir = str(tmp_path / "data")
     with tfds.testing.mock_data(num_examples=64):
         result = train.train_and_evaluate(config, str(tmp_path / "run"))
@@ -92,7 +83,7 @@ def test_cifar_smoke_trains_with_mixup_and_ema_on_mock_data(tmp_path):
 def test_adversarial_cifar_finetuning_smoke_keeps_the_best_fgsm_state(tmp_path):
     """TRADES on the stride-1 XCiT stem, colour jitter and the narrowed crops, FGSM evals
     and the best state in <workdir>/best (on tfds mock data)."""
-    _, config = load(REPO / "configs" / "cifar10_xcit_s12_adv.py", "smoke")
+    _, config = load_config(REPO / "configs" / "cifar10_xcit_s12_adv.py", "smoke")
     config.update(
         dict(
             data_dir=str(tmp_path / "data"),
@@ -114,7 +105,7 @@ def test_adversarial_cifar_finetuning_smoke_keeps_the_best_fgsm_state(tmp_path):
 
 
 def test_rvt_smoke_trains_with_batchnorm_and_paas(digits_data_dir, tmp_path):
-    _, config = load(REPO / "configs" / "rvt_b.py", "smoke")
+    _, config = load_config(REPO / "configs" / "rvt_b.py", "smoke")
     config.data_dir = digits_data_dir
     config.image_size = 64  # PAAS sizes its mask at init: the same path as 224 px, 12x fewer pixels
     result = train.train_and_evaluate(config, str(tmp_path / "run"))

@@ -206,6 +206,14 @@ def variant_config(config, name: str):
 
 def timm_command(config, steps: int) -> list[str]:
     """The command that times timm's step of `config.model_name` (rspc_jax.tools.timm_step)."""
+    mix = config.mixup
+    if (mix.mixup_alpha > 0 or mix.cutmix_alpha > 0) and config.batch_size % 2:
+        raise SystemExit(
+            f"--compare_timm mixes batches as the config does, and timm's Mixup pairs images, "
+            f"so it needs an even batch (got {config.batch_size}): pass an even --batch, or "
+            "--config.mixup.mixup_alpha=0 --config.mixup.cutmix_alpha=0 to time both "
+            "without mixing"
+        )
     spec = datasets.dataset_spec(config.dataset)
     return [
         sys.executable,
