@@ -280,13 +280,13 @@ class Block(nn.Module):
         y, attn = Attention(
             self.num_heads, dropout=self.dropout, maps_unused=self.maps_unused, name="attn"
         )(
-            nn.LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x),
+            LayerNorm(epsilon=self.layernorm_eps, name="norm1")(x),
             train=train,
             key_keep=key_keep,
         )
         x = x + drop_path(y, train=train)
         y = Mlp(self.mlp_dim, dropout=self.dropout, name="mlp")(
-            nn.LayerNorm(epsilon=self.layernorm_eps, name="norm2")(x), train=train
+            LayerNorm(epsilon=self.layernorm_eps, name="norm2")(x), train=train
         )
         x = x + drop_path(y, train=train)
         return x, attn

@@ -98,9 +98,9 @@ class Block(nn.Module):
             paas=self.paas,
             maps_unused=self.maps_unused,
             name="attn",
-        )(nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm1")(x), train=train)
+        )(layers.LayerNorm(epsilon=LAYERNORM_EPS, name="norm1")(x), train=train)
         x = x + drop_path(y, train=train)
-        y = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm2")(x)
+        y = layers.LayerNorm(epsilon=LAYERNORM_EPS, name="norm2")(x)
         hidden = int(dim * self.mlp_ratio)
         if dim == LINEAR_MLP_WIDTH:
             y = layers.Mlp(hidden, dropout=self.dropout, torch_init=True, name="mlp")(
@@ -202,7 +202,7 @@ class RVT(nn.Module):
             )(x, train=train)
             for tokens, attn in outputs:
                 layers.sow_block(self, tokens, attn, sow_attention)
-        x = nn.LayerNorm(epsilon=LAYERNORM_EPS, name="norm")(x.mean(axis=(1, 2)))
+        x = layers.LayerNorm(epsilon=LAYERNORM_EPS, name="norm")(x.mean(axis=(1, 2)))
         return nn.Dense(
             self.num_classes, **layers.linear_init(widths[-1], torch_init=True), name="head"
         )(x)

@@ -127,12 +127,12 @@ class ViT(nn.Module):
                 layers.sow_block(self, x, attn, sow_attention)
 
         if self.pool == "token":
-            x = nn.LayerNorm(epsilon=self.layernorm_eps, name="norm")(x)[:, 0]
+            x = layers.LayerNorm(epsilon=self.layernorm_eps, name="norm")(x)[:, 0]
         elif token_keep is None:
-            x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(x.mean(axis=1))
+            x = layers.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(x.mean(axis=1))
         else:
             keep = token_keep[..., None].astype(x.dtype)
-            x = nn.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(
+            x = layers.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(
                 (x * keep).sum(axis=1) / keep.sum(axis=1)
             )
         return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)

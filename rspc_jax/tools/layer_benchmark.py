@@ -46,7 +46,7 @@ class _Part(nn.Module):
     def __call__(self, x):
         width = x.shape[-1]
         if self.part == "layernorm":
-            return nn.LayerNorm(epsilon=1e-6)(x)
+            return layers.LayerNorm(epsilon=1e-6)(x)
         if self.part == "attention":
             return layers.Attention(self.heads)(x, train=True)[0]
         if self.part == "mlp":
