@@ -42,7 +42,10 @@ class _Switch:
     @contextlib.contextmanager
     def override(self, choice: str):
         if choice not in self.choices:
-            raise ConfigError(f"{self.variable} choice {choice!r} is not one of {self.choices}")
+            raise ConfigError(
+                f"{self.variable} choice {choice!r} is not one of {self.choices}: pass one of "
+                "them (the same values the environment variable takes)"
+            )
         previous, self.value = self.value, choice
         try:
             yield
