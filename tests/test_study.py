@@ -2,21 +2,17 @@
 results.md with the headline, the learned-vs-random pairs, C's selection statistics and the
 figures; a resumed study that trains nothing again; bad methods fail before training."""
 
-import importlib.util
 import json
 
 import pytest
 
 from rspc_jax import ConfigError
 from rspc_jax.tools import study as study_runner
-from tests.conftest import REPO
+from tests.conftest import REPO, load_config
 
 
 def _smoke_config(data_dir):
-    spec = importlib.util.spec_from_file_location("demo_study", REPO / "configs" / "demo_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config("smoke")
+    _, config = load_config(REPO / "configs" / "demo_study.py", "smoke")
     config.data_dir = data_dir
     return config
 
