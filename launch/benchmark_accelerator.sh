@@ -1,34 +1,93 @@
 #!/usr/bin/env bash
-# The speed table of docs/speed.md on one GPU or TPU chip: plain and RSPC train steps of
-# RVT-Ti* at the CPU table's batch (8) and at a batch that fills the chip, then DeiT-S,
-# RVT-S* and FAN-S-Hybrid, in float32 and bfloat16, each `python -m rspc_jax.benchmark`;
-# DeiT-S in bfloat16 once more with RSPC_JAX_ATTENTION=explicit (fused attention's A/B).
+# The accelerator table of docs/speed.md on one GPU or TPU chip: plain and RSPC train steps of
+# DeiT-S, RVT-S*, FAN-S-Hybrid and XCiT-S12 in bfloat16 (DeiT-S also with the explicit
+# attention, and in float32), each a `python -m rspc_jax.benchmark` run.
 #
 #   launch/benchmark_accelerator.sh [LOG]      # LOG default: benchmark_accelerator.log
 #
-# BATCH (default 128) is the large batch; STEPS (default 10) the timed steps per step kind;
-# RUN_TIMEOUT (default 150 s) bounds each run so one slow compile cannot eat the rest.
+# Compiles dominate a short chip lease, so the script first compiles every row's steps at once
+# (`--compile_only`, one process per row and step kind, into JAX's persistent compilation
+# cache), then times the rows one at a time, each loading its compiled steps from the cache.
+# The compile times of the first phase were taken side by side with the other compiles.
+# On GPUs, DeiT-S and XCiT-S12 are timed beside timm's step (`--compare_timm`, bfloat16
+# autocast on the same GPU); with OFFICIAL=/path/time_official.py, RVT-S* beside the official
+# code's step (docs/speed.md, "Tools"). Rows go in order of priority: a run that outlives its
+# time limit costs only the rows after it.
+#
+# BATCH (default 256) is DeiT-S's batch, BATCH_CONV (default 128) the other models';
+# STEPS (default 10) the timed steps per step kind; COMPILE_TIMEOUT (default 900 s) bounds the
+# compile phase and RUN_TIMEOUT (default 600 s) each timed row (on one H200 with 16 host cores,
+# DeiT-S compiled in about 120 s beside the 17 other compiles, RVT-S*, FAN-S-Hybrid and
+# XCiT-S12 took over 200 s: docs/speed.md); PROFILE_DIR, if set, also
+# traces each row's steps there (--profile_dir) and prints their top ops; EXTRA_ROWS, more rows
+# in the ROWS format below (one per line), e.g. A/B settings, timed right after the first row.
 set -uo pipefail
 LOG="${1:-benchmark_accelerator.log}"
-BATCH="${BATCH:-128}"
+BATCH="${BATCH:-256}"
+BATCH_CONV="${BATCH_CONV:-128}"
 STEPS="${STEPS:-10}"
 PYTHON="${PYTHON:-python3}"
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/rspc_jax_compilation_cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
+# Several compiling processes, and the PyTorch reference steps, share the chip's memory.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-bench() {
-  echo "== $*" | tee -a "$LOG"
-  timeout "${RUN_TIMEOUT:-150}" "$PYTHON" -m rspc_jax.benchmark --steps="$STEPS" "$@" 2>&1 \
-    | grep -v "^[WI][0-9]\{4\} " | tee -a "$LOG"
-}
+BF16=--config.compute_dtype=bfloat16
+TIMM="--compare_timm --rounds=2"
+OFFICIAL_ROWS=""
+if [[ -n "${OFFICIAL:-}" ]]; then
+  OFFICIAL_ROWS="--rounds=2 --compare_command=plain='$PYTHON $OFFICIAL plain {steps} rvt_small_plus $BATCH_CONV'"
+  OFFICIAL_ROWS+=" --compare_command=rspc='$PYTHON $OFFICIAL rspc {steps} rvt_small_plus $BATCH_CONV'"
+fi
+# name | environment | the config and its overrides | what the timed run adds
+ROWS=(
+  "deit_s_bf16||--config=configs/deit_s.py --batch=$BATCH $BF16|$TIMM"
+)
+while IFS= read -r row; do
+  [[ -n "$row" ]] && ROWS+=("$row")
+done <<<"${EXTRA_ROWS:-}"
+ROWS+=(
+  "deit_s_bf16_explicit_attention|RSPC_JAX_ATTENTION=explicit|--config=configs/deit_s.py --batch=$BATCH $BF16|"
+  "rvt_s_bf16||--config=configs/rvt_s.py --batch=$BATCH_CONV $BF16 --config.patch_aug=off|$OFFICIAL_ROWS"
+  "fan_s_hybrid_bf16||--config=configs/fan_s_hybrid.py --batch=$BATCH_CONV $BF16|"
+  "xcit_s12_bf16||--config=configs/xcit_s12.py --batch=$BATCH_CONV $BF16|$TIMM"
+  "deit_s_f32||--config=configs/deit_s.py --batch=$BATCH|"
+  "rvt_s_f32||--config=configs/rvt_s.py --batch=$BATCH_CONV --config.patch_aug=off|"
+  "fan_s_hybrid_f32||--config=configs/fan_s_hybrid.py --batch=$BATCH_CONV|"
+)
+
+quiet() { grep -v "^[WI][0-9]\{4\} "; }  # absl's and XLA's log lines
 
 "$PYTHON" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
-bench --config=configs/rvt_ti.py --batch=8
-bench --config=configs/rvt_ti.py --batch="$BATCH"
-bench --config=configs/rvt_ti.py --batch="$BATCH" --config.compute_dtype=bfloat16
-for config in deit_s rvt_s fan_s_hybrid; do
-  bench --config=configs/$config.py --batch="$BATCH" --config.compute_dtype=bfloat16
+
+echo "== compile phase: every row's steps at once" | tee -a "$LOG"
+COMPILE_LOGS="$(mktemp -d)"
+for row in "${ROWS[@]}"; do
+  IFS='|' read -r name environment args _ <<<"$row"
+  for variant in plain rspc; do
+    # shellcheck disable=SC2086  # the fields are word lists
+    env $environment timeout -k 10 "${COMPILE_TIMEOUT:-900}" "$PYTHON" -m rspc_jax.benchmark \
+      --compile_only --variants=$variant $args >"$COMPILE_LOGS/$name.$variant" 2>&1 &
+  done
 done
-# The same DeiT-S row with the explicit softmax attention, against the fused default on GPU.
-RSPC_JAX_ATTENTION=explicit bench --config=configs/deit_s.py --batch="$BATCH" --config.compute_dtype=bfloat16
-for config in deit_s rvt_s fan_s_hybrid; do
-  bench --config=configs/$config.py --batch="$BATCH"
+wait
+for row in "${ROWS[@]}"; do
+  IFS='|' read -r name _ <<<"$row"
+  for variant in plain rspc; do
+    echo "-- $name $variant" | tee -a "$LOG"
+    quiet <"$COMPILE_LOGS/$name.$variant" | tail -n 3 | tee -a "$LOG"
+  done
+done
+
+rm -rf "$COMPILE_LOGS"
+
+echo "== timed phase: one row at a time" | tee -a "$LOG"
+for row in "${ROWS[@]}"; do
+  IFS='|' read -r name environment args timed <<<"$row"
+  profile=""
+  [[ -n "${PROFILE_DIR:-}" ]] && profile="--profile_dir=$PROFILE_DIR/$name"
+  echo "== $name: $environment $args $timed" | tee -a "$LOG"
+  # eval: the reference commands are quoted inside $timed.
+  eval "env $environment timeout -k 10 ${RUN_TIMEOUT:-600} $PYTHON -m rspc_jax.benchmark \
+    --steps=$STEPS $args $timed $profile" 2>&1 | quiet | tee -a "$LOG"
 done

@@ -30,6 +30,11 @@ any reference step, e.g. the official RVT code's, from a script outside this rep
 per-device micro-batch whose step fits `--headroom` of a device's memory on each slice
 (XLA's memory analysis of the compiled step, a few compiles each) and the grad_accum_steps
 that reach the config's global batch there (rspc_jax.tools.memory_plan).
+
+`--compile_only` compiles each variant without running it and prints the compile times,
+FLOPs and XLA's memory estimates; with JAX_COMPILATION_CACHE_DIR set it fills that cache,
+so that several configs can compile at once on a many-core host before they are timed one
+at a time (launch/benchmark_accelerator.sh).
 """
 
 import os
@@ -77,6 +82,13 @@ _ROUNDS = flags.DEFINE_integer(
     "many times (--steps each), so that the machine's drift does not bias the ratio.",
     lower_bound=1,
 )
+_COMPILE_ONLY = flags.DEFINE_bool(
+    "compile_only",
+    False,
+    "Only build each variant's step, running no step: print the compile times, FLOPs and "
+    "XLA's memory estimate (and fill JAX's persistent compilation cache when "
+    "JAX_COMPILATION_CACHE_DIR is set, so that a later timed run loads the compiled steps).",
+)
 _MEMORY = flags.DEFINE_bool(
     "memory",
     False,
@@ -105,6 +117,9 @@ def main(argv):
         config.batch_size = _BATCH.value
     if _MEMORY.value:
         memory_plan(config)
+        return
+    if _COMPILE_ONLY.value:
+        benchmark.print_compile_table(config, _VARIANTS.value.split(","))
         return
     references = _references(config, benchmark)
     results = benchmark.print_table(

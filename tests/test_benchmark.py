@@ -51,6 +51,30 @@ def test_benchmark_prints_plain_rspc_ratio_flops_and_memory():
         assert 0 < float(row.group(8)) <= os.cpu_count() + 0.1
 
 
+def test_compile_only_prints_compile_times_without_running_and_fills_the_cache(tmp_path):
+    """--compile_only runs no step; with JAX's persistent cache set, a later timed run of the
+    same config loads its compiled step from there."""
+    cache = tmp_path / "cache"
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
+    args = ["-m", "rspc_jax.benchmark", "--config=configs/demo.py:smoke", "--batch=8"]
+    result = run_python([*args, "--compile_only"], timeout=300, env_extra=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled only" in result.stdout and "median" not in result.stdout
+    for name in ("plain", "rspc"):
+        row = re.search(rf"^{name}\s+(\d+\.\d+)\s+(\S+)\s+(\d+)$", result.stdout, re.M)
+        assert row, result.stdout
+        assert float(row.group(2)) > 0 and int(row.group(3)) > 0
+    steps = {path.name for path in cache.iterdir() if "train_step" in path.name}
+    assert len(steps) == 2, sorted(path.name for path in cache.iterdir())
+    timed = run_python([*args, "--steps=1"], timeout=300, env_extra=env)
+    assert timed.returncode == 0, timed.stderr[-3000:]
+    assert {path.name for path in cache.iterdir() if "train_step" in path.name} == steps
+
+
 # Runs a module as `python -m` would, in a process where TensorFlow cannot be imported.
 _WITHOUT_TF = """
 import runpy, sys
@@ -85,6 +109,19 @@ def test_peak_flops_by_device_kind_and_dtype():
     assert benchmark.peak_flops("cpu", "bfloat16") is None
 
 
+def test_flops_of_a_lowered_step_without_the_backends_analysis_come_from_the_host():
+    """GPU plugins have no cost analysis of a lowered step (MFU read n/a on an H200): the
+    host's XLA cost model of the same module gives the count the CPU backend gives."""
+    import jax
+    import jax.numpy as jnp
+
+    lowered = jax.jit(lambda a, b: jnp.tanh(a @ b).sum()).lower(
+        jnp.ones((64, 32)), jnp.ones((32, 16))
+    )
+    assert benchmark.host_cost_analysis(lowered)["flops"] == lowered.cost_analysis()["flops"]
+    assert lowered.cost_analysis()["flops"] >= 2 * 64 * 32 * 16
+
+
 def test_benchmark_counts_every_scanned_block_and_micro_batch():
     """XLA's cost analysis counts a loop body once; the scanned model and the accumulated
     step do the same work."""
@@ -116,6 +153,25 @@ def test_profile_sums_the_steps_ops_and_names_their_hlo(tmp_path):
     assert "dot" in rows[0]["what"] or rows[0]["what"].startswith("dot"), rows
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-6  # every op of the step is listed
     assert rows[0]["ms_per_step"] > 0
+
+
+def test_device_traces_are_read_from_their_xla_ops_line_only():
+    """On a GPU/TPU the device plane's "XLA Ops" line times each op once; its stream and
+    the host's launch lines carry the same names. On CPU every line counts."""
+    from types import SimpleNamespace as Namespace
+
+    def plane(name, *lines):
+        return Namespace(name=name, lines=[Namespace(name=line) for line in lines])
+
+    gpu = Namespace(
+        planes=[
+            plane("/host:CPU", "XLA GPU launches"),
+            plane("/device:GPU:0", "Stream #13", "XLA Modules", "XLA Ops"),
+        ]
+    )
+    assert [line.name for line in profiling._op_lines(gpu)] == ["XLA Ops"]
+    cpu = Namespace(planes=[plane("/host:metadata"), plane("/host:CPU", "main", "tf_XLAEigen")])
+    assert [line.name for line in profiling._op_lines(cpu)] == ["main", "tf_XLAEigen"]
 
 
 def test_describe_ops_reads_fusions_and_plain_instructions():
@@ -230,6 +286,22 @@ def test_timm_step_mixes_batches_as_the_config_does():
     assert len(records[True]["times"]) == 2
 
 
+def test_timm_reference_runs_at_our_precision_on_our_device():
+    """bfloat16 configs time timm under bfloat16 autocast; on CPU it runs on the CPU and
+    reports no device memory."""
+    _, config = load_config(REPO / "configs" / "deit_s.py")
+    assert {"--device=cpu", "--bfloat16=False"} <= set(benchmark.timm_command(config, steps=1))
+    config.compute_dtype = "bfloat16"
+    assert "--bfloat16=True" in benchmark.timm_command(config, steps=1)
+    tiny = ["--model=deit_tiny_patch16_224", "--image_size=32", "--batch=2", "--steps=1"]
+    result = run_python(
+        ["-m", "rspc_jax.tools.timm_step", *tiny, "--device=cpu", "--bfloat16"], timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(record["times"]) == 1 and record["peak_device_bytes"] is None
+
+
 def test_compare_timm_refuses_an_odd_batch_to_mix_before_compiling():
     _, config = load_config(REPO / "configs" / "deit_s.py")
     config.batch_size = 7
@@ -295,6 +367,22 @@ def test_side_by_side_rounds_start_from_released_memory(monkeypatch, capsys):
     assert events == ["release"] + ["steps"] * 4  # a warm-up and 2 steps per round
     assert medians == {"ref": 0.2, "plain": 0.1}
     assert "2 interleaved rounds of 2 steps each" in capsys.readouterr().out
+
+
+def test_side_by_side_shows_device_memory_when_a_reference_reports_it(capsys):
+    """A GPU reference reports its allocator's peak; the table then gets a device column."""
+    record = "{'times': [0.2], 'peak_device_bytes': 3 * 2**20}"
+    reference = [sys.executable, "-c", f"import json; print(json.dumps({record}))"]
+    benchmark.compare_side_by_side(
+        {"plain": {"time_steps": lambda count: ([0.1] * count, 1.0)}},
+        {"plain": ("ref", reference)},
+        steps=1,
+        rounds=1,
+    )
+    out = capsys.readouterr().out
+    assert "device MiB" in out
+    assert re.search(r"^ref\s.*\s3$", out, re.M), out
+    assert re.search(r"^plain\s.*\s(n/a|\d+)$", out, re.M), out
 
 
 def test_pytorch_references_use_the_cores_the_process_may_run_on():

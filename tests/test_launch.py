@@ -80,26 +80,40 @@ def test_train_needs_a_config_and_an_unknown_command_shows_the_usage():
     assert unknown.returncode == 2 and "usage:" in unknown.stderr
 
 
-def test_accelerator_benchmark_script_runs_every_table_row(tmp_path):
-    """With `echo` as its Python, the script logs the benchmark command of each row."""
+def test_accelerator_benchmark_script_compiles_every_row_then_times_each(tmp_path):
+    """With `echo` as its Python, the script logs each command: every row's two step kinds
+    compiled (alone, into the compilation cache), then each row timed with what it adds."""
     log = tmp_path / "bench.log"
     result = subprocess.run(
         ["bash", str(REPO / "launch" / "benchmark_accelerator.sh"), str(log)],
         cwd=REPO,
-        env={**os.environ, "PYTHON": "echo", "BATCH": "64"},
+        env={
+            **os.environ,
+            "PYTHON": "echo",
+            "BATCH": "64",
+            "OFFICIAL": "/x/time_official.py",
+            "EXTRA_ROWS": "deit_b512||--config=configs/deit_s.py --batch=512|\n",
+        },
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    runs = [
-        line
-        for line in log.read_text().splitlines()
-        if line.startswith("-m rspc_jax.benchmark --steps=10 ")
-    ]
-    assert len(runs) == 10
-    assert runs[0].endswith("--config=configs/rvt_ti.py --batch=8")
-    for config, bf16_rows in (("deit_s", 2), ("rvt_s", 1), ("fan_s_hybrid", 1)):
-        rows = [r for r in runs if f"--config=configs/{config}.py --batch=64" in r]
-        assert len(rows) == bf16_rows + 1
-        assert sum("compute_dtype=bfloat16" in r for r in rows) == bf16_rows
+    lines = log.read_text().splitlines()
+    compiles = [line for line in lines if line.startswith("-m rspc_jax.benchmark --compile_only")]
+    timed = [line for line in lines if line.startswith("-m rspc_jax.benchmark --steps=10 ")]
+    assert len(compiles) == 18 and len(timed) == 9
+    assert lines.index(compiles[-1]) < lines.index(timed[0])  # compiles first, all of them
+    for line in compiles:
+        config = line[line.index("--config=") :]
+        assert sum(t.endswith(config) or f"{config} " in t for t in timed) >= 1, line
+    assert timed.pop(1).endswith("--config=configs/deit_s.py --batch=512")  # extra rows: 2nd
+    deit = [t for t in timed if "--config=configs/deit_s.py --batch=64" in t]
+    assert len(deit) == 3 and sum("compute_dtype=bfloat16" in t for t in deit) == 2
+    assert "--compare_timm" in timed[0]
+    assert "RSPC_JAX_ATTENTION=explicit" in lines[lines.index(timed[1]) - 1]  # cuDNN's A/B
+    official = timed[2]
+    assert "--config=configs/rvt_s.py --batch=128" in official
+    assert "--compare_command=rspc=echo /x/time_official.py rspc {steps} rvt_small_plus 128" in (
+        official
+    )

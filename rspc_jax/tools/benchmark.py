@@ -10,6 +10,7 @@ import sys
 import time
 
 import jax
+import jax.extend
 import numpy as np
 
 from rspc_jax import parallel
@@ -49,9 +50,21 @@ def _step_flops(lowered) -> float:
     step's analysis: on GPUs that misses the products handed to cuBLAS (DeiT-S at batch
     128 on an H200: 413 GFLOP compiled, 3566 lowered; the analytic count is ~3.5 TFLOP)."""
     analysis = lowered.cost_analysis()
+    if analysis is None:  # PJRT plugin backends (GPUs) have no analysis of a lowered step
+        analysis = host_cost_analysis(lowered)
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0]
     return float(analysis.get("flops", 0.0)) if analysis else 0.0
+
+
+def host_cost_analysis(lowered) -> dict:
+    """XLA's CPU cost model applied to the lowered step of any backend: the count is of the
+    program before any backend's passes, so the host's model reads the same module (custom
+    calls, e.g. cuDNN's attention kernel, count no FLOPs). jax exposes this only privately."""
+    from jax._src.lib import _jax  # private: see the docstring
+
+    module = lowered.compiler_ir("hlo").as_hlo_module()
+    return _jax.hlo_module_cost_analysis(jax.extend.backend.get_backend("cpu"), module)
 
 
 def compiled_bytes(compiled) -> int:
@@ -73,13 +86,10 @@ def _train_parts(config, spec, mesh):
     return setup.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
 
 
-def time_step(
-    config, spec, batch, steps: int, profile_dir: str = "", keep_timer: bool = False
-) -> dict:
-    """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`; with
-    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops'); with
-    `keep_timer`, adds 'time_steps' (n -> seconds of n more steps, and cores busy), which
-    keeps the compiled step and its state alive for later rounds."""
+def compile_step(config, spec, batch):
+    """Builds `config`'s train state and compiles its step (ahead of time) for `batch`: the
+    state, the global batch, the compiled step, the seconds spent lowering and compiling,
+    and the step's FLOPs."""
     mesh = parallel.create_mesh()
     parts = _train_parts(config, spec, mesh)
     state = parts.init(jax.random.PRNGKey(config.seed))
@@ -98,7 +108,17 @@ def time_step(
         )
     else:
         flops = _step_flops(lowered)
-    del lowered, parts  # the step's module and traces: the steps run without them
+    return state, global_batch, compiled, compile_sec, flops
+
+
+def time_step(
+    config, spec, batch, steps: int, profile_dir: str = "", keep_timer: bool = False
+) -> dict:
+    """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`; with
+    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops'); with
+    `keep_timer`, adds 'time_steps' (n -> seconds of n more steps, and cores busy), which
+    keeps the compiled step and its state alive for later rounds."""
+    state, global_batch, compiled, compile_sec, flops = compile_step(config, spec, batch)
     host_memory.release_freed_memory()  # as the training loop does before its first step
 
     def step():
@@ -140,14 +160,7 @@ def print_table(
     """Times every variant of `config` on one random batch and prints the table (and, with
     `profile_dir`, each variant's top ops from a profiler trace in <profile_dir>/<variant>);
     `keep_timers` keeps each variant's 'time_steps' for `compare_side_by_side`'s rounds."""
-    setup.validate_config(config)
-    spec = datasets.dataset_spec(config.dataset)
-    rng = np.random.default_rng(0)
-    local = config.batch_size // jax.process_count()
-    batch = {
-        "image": rng.standard_normal((local, config.image_size, config.image_size, 3), np.float32),
-        "label": rng.integers(0, spec.num_classes, local).astype(np.int32),
-    }
+    spec, batch = _random_batch(config)
     results = {}
     for name in variants:
         results[name] = time_step(
@@ -180,7 +193,8 @@ def print_table(
             f"{r['cores_busy']:>11.2f}"
         )
     print(
-        "GFLOP/step: XLA's cost analysis of one device's step as lowered; MFU against the device's "
+        "GFLOP/step: XLA's cost analysis of one device's step as lowered (custom calls such as "
+        "cuDNN's attention count none); MFU against the device's "
         "dense peak for the compute dtype (n/a where unknown, e.g. CPU); XLA MiB: its "
         "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators); "
         "cores busy: the process's CPU time over the wall time of the timed steps."
@@ -192,6 +206,44 @@ def print_table(
         if r["top_ops"]:
             profiling.print_top_ops(f"{name}, by kind", profiling.by_kind(r["top_ops"]))
             profiling.print_top_ops(name, r["top_ops"][:10])
+    return results
+
+
+def _random_batch(config):
+    """The config's dataset spec and one random batch of this process's share of it."""
+    setup.validate_config(config)
+    spec = datasets.dataset_spec(config.dataset)
+    rng = np.random.default_rng(0)
+    local = config.batch_size // jax.process_count()
+    batch = {
+        "image": rng.standard_normal((local, config.image_size, config.image_size, 3), np.float32),
+        "label": rng.integers(0, spec.num_classes, local).astype(np.int32),
+    }
+    return spec, batch
+
+
+def print_compile_table(config, variants: list[str]) -> dict:
+    """Compiles every variant of `config` without running it and prints the compile times,
+    FLOPs and XLA's memory estimates: a quick look before a long compile-and-run, and the
+    way to fill JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) for a timed
+    run, e.g. several configs compiled at once on a many-core host, then timed one by one."""
+    spec, batch = _random_batch(config)
+    results = {}
+    for name in variants:
+        _, _, compiled, compile_sec, flops = compile_step(variant_config(config, name), spec, batch)
+        results[name] = dict(
+            compile_sec=compile_sec, flops=flops, step_bytes=compiled_bytes(compiled)
+        )
+    print(
+        f"model {config.model_name}, global batch {config.batch_size}, "
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}, compiled only"
+    )
+    print(f"{'step':<20} {'compile s':>10} {'GFLOP/step':>11} {'XLA MiB':>8}")
+    for name, r in results.items():
+        print(
+            f"{name:<20} {r['compile_sec']:>10.2f} {r['flops'] / 1e9:>11.4g} "
+            f"{r['step_bytes'] / 2**20:>8.0f}"
+        )
     return results
 
 
@@ -231,6 +283,9 @@ def timm_command(config, steps: int) -> list[str]:
         f"--cutmix_alpha={config.mixup.cutmix_alpha}",
         f"--mixup_prob={config.mixup.prob}",
         f"--switch_prob={config.mixup.switch_prob}",
+        # On the device our step runs on, at our compute precision.
+        f"--device={'cuda' if jax.default_backend() == 'gpu' else 'cpu'}",
+        f"--bfloat16={config.compute_dtype == 'bfloat16'}",
     ]
 
 
@@ -277,6 +332,10 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     rss = {label: record.get("peak_rss_bytes") for label, record in records.items()}
     ours = timing.peak_rss_bytes()  # one process: every variant's
     rss |= {name: ours for name in results}
+    device = {label: record.get("peak_device_bytes") for label, record in records.items()}
+    ours = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    device |= {name: ours for name in results}
+    device_column = any(device.values())  # accelerators: the allocators' peaks
     first = next(iter(references.values()))[0]
     against = {label: label for label in records}
     against |= {name: references.get(name, (first,))[0] for name in results}
@@ -288,18 +347,25 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     print(
         f"{'step':<24} {'median step s':>14} {'x reference':>12} {'reference':<16} "
         f"{'peak RSS MiB':>13} {'cores busy':>11}"
+        + (f" {'device MiB':>11}" if device_column else "")
     )
     for name, median in medians.items():
-        memory = f"{rss[name] / 2**20:.0f}" if rss[name] else "n/a"
+        memory = _mib(rss[name])
         cores = [c for c in busy[name] if c is not None]
         cores = f"{statistics.mean(cores):.2f}" if cores else "n/a"
         print(
             f"{name:<24} {median:>14.4f} {median / medians[against[name]]:>12.2f} "
             f"{against[name]:<16} {memory:>13} {cores:>11}"
+            + (f" {_mib(device[name]):>11}" if device_column else "")
         )
     print(
         "peak RSS: VmHWM of each process (ours: every variant above, compiles included; "
         "run --variants=plain alone for the plain step's own). cores busy: CPU time over "
         "wall time of the timed steps."
+        + (" device MiB: the peak of each process's device allocator." if device_column else "")
     )
     return medians
+
+
+def _mib(size) -> str:
+    return f"{size / 2**20:.0f}" if size else "n/a"

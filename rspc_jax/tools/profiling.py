@@ -63,13 +63,12 @@ def top_ops(trace_file: str, hlo_text: str, steps: int, count: int | None = 10) 
     profile = jax.profiler.ProfileData.from_file(trace_file)
     described = describe_ops(hlo_text)
     totals, calls = collections.Counter(), collections.Counter()
-    for plane in profile.planes:
-        for line in plane.lines:
-            for event in line.events:
-                # Only the step's own ops: events named like an instruction of its HLO.
-                if event.name in described and event.duration_ns > 0:
-                    totals[event.name] += event.duration_ns
-                    calls[event.name] += 1
+    for line in _op_lines(profile):
+        for event in line.events:
+            # Only the step's own ops: events named like an instruction of its HLO.
+            if event.name in described and event.duration_ns > 0:
+                totals[event.name] += event.duration_ns
+                calls[event.name] += 1
     all_ops = sum(totals.values()) or 1
     return [
         dict(
@@ -81,6 +80,20 @@ def top_ops(trace_file: str, hlo_text: str, steps: int, count: int | None = 10) 
         )
         for name, nanoseconds in totals.most_common(count)
     ]
+
+
+def _op_lines(profile) -> list:
+    """The trace lines that time the step's ops: on a GPU/TPU the device's "XLA Ops" line (its
+    kernel and host launch lines repeat the same names and would count each op twice); on
+    CPU, where ops run on host threads, every line."""
+    device_ops = [
+        line
+        for plane in profile.planes
+        if plane.name.startswith("/device:")
+        for line in plane.lines
+        if line.name == "XLA Ops"
+    ]
+    return device_ops or [line for plane in profile.planes for line in plane.lines]
 
 
 def by_kind(rows: list[dict], count: int = 10) -> list[dict]:

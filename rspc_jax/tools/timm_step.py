@@ -6,11 +6,15 @@ side-by-side comparison of `python -m rspc_jax.benchmark --compare_timm`.
 One step is what our plain step does for a ViT/DeiT or XCiT config: Mixup/CutMix of the
 batch when an alpha is positive (timm's `Mixup`, which timm's and the official training loops
 apply to each batch), a train-mode forward (drop path), soft-target cross-entropy with label
-smoothing, backward, AdamW, and the EMA update when `--ema_decay` > 0 (timm's ModelEmaV2). It
-runs in its own process so that its peak memory (VmHWM) is its own; the last line printed is
-a JSON record.
+smoothing, backward, AdamW, and the EMA update when `--ema_decay` > 0 (timm's ModelEmaV2).
+`--device=cuda` runs it on the GPU, each step synchronised, and `--bfloat16` under
+bfloat16 autocast (as our `compute_dtype=bfloat16` step). It runs in its own process so that
+its peak memory (VmHWM, and the GPU allocator's peak) is its own; the last line printed is a
+JSON record.
 """
 
+import contextlib
+import functools
 import json
 import statistics
 
@@ -34,8 +38,10 @@ def time_timm_step(
     mixup_prob: float = 1.0,
     switch_prob: float = 0.5,
     threads: int = 0,
+    device: str = "cpu",
+    bfloat16: bool = False,
 ) -> dict:
-    """Median seconds of timm's train step and this process's peak RSS."""
+    """Median seconds of timm's train step and this process's peak RSS (and GPU memory)."""
 
     try:
         import timm
@@ -59,14 +65,20 @@ def time_timm_step(
     model = timm.create_model(
         model_name, num_classes=num_classes, drop_path_rate=drop_path, img_size=image_size
     )
-    model.train()
+    model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     ema = ModelEmaV2(model, decay=ema_decay) if ema_decay > 0 else None
-    images = torch.randn(batch, 3, image_size, image_size)
-    labels = torch.randint(0, num_classes, (batch,))
+    images = torch.randn(batch, 3, image_size, image_size, device=device)
+    labels = torch.randint(0, num_classes, (batch,), device=device)
     off = label_smoothing / num_classes
-    targets = torch.full((batch, num_classes), off).scatter_(
+    targets = torch.full((batch, num_classes), off, device=device).scatter_(
         1, labels[:, None], 1.0 - label_smoothing + off
+    )
+    on_gpu = device.startswith("cuda")
+    autocast = (
+        functools.partial(torch.autocast, device.split(":")[0], dtype=torch.bfloat16)
+        if bfloat16
+        else contextlib.nullcontext
     )
     mixing = mixup_alpha > 0 or cutmix_alpha > 0
     if mixing:
@@ -84,12 +96,15 @@ def time_timm_step(
         if mixing:  # in place, like the training loops; the work is the same on mixed images
             images, targets = mix(images, labels)
         optimizer.zero_grad(set_to_none=True)
-        logits = model(images)
-        loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
+        with autocast():
+            logits = model(images)
+        loss = torch.sum(-targets * torch.log_softmax(logits.float(), dim=-1), dim=-1).mean()
         loss.backward()
         optimizer.step()
         if ema is not None:
             ema.update(model)
+        if on_gpu:  # kernels run asynchronously: a step ends when the GPU is done
+            torch.cuda.synchronize()
         return loss
 
     step()  # warm-up: first-run allocations
@@ -99,6 +114,7 @@ def time_timm_step(
         median_sec=statistics.median(times),
         times=times,
         peak_rss_bytes=timing.peak_rss_bytes(),
+        peak_device_bytes=torch.cuda.max_memory_allocated() if on_gpu else None,
         cores_busy=cores_busy,
         mixup=mixing,
         num_parameters=sum(p.numel() for p in model.parameters()),
@@ -123,6 +139,8 @@ def main(argv):
         mixup_prob=f.mixup_prob,
         switch_prob=f.switch_prob,
         threads=f.threads,
+        device=f.device,
+        bfloat16=f.bfloat16,
     )
     print(json.dumps(result))
 
@@ -142,6 +160,8 @@ def _define_flags() -> None:
     flags.DEFINE_float("mixup_prob", 1.0, "The probability of mixing a batch.")
     flags.DEFINE_float("switch_prob", 0.5, "The probability of CutMix over Mixup.")
     flags.DEFINE_integer("threads", 0, "torch threads (0 = every core this process may run on).")
+    flags.DEFINE_string("device", "cpu", "torch device: cpu or cuda.")
+    flags.DEFINE_bool("bfloat16", False, "Forward under bfloat16 autocast.")
 
 
 if __name__ == "__main__":
