@@ -155,23 +155,64 @@ def test_profile_sums_the_steps_ops_and_names_their_hlo(tmp_path):
     assert rows[0]["ms_per_step"] > 0
 
 
-def test_device_traces_are_read_from_their_xla_ops_line_only():
-    """On a GPU/TPU the device plane's "XLA Ops" line times each op once; its stream and
-    the host's launch lines carry the same names. On CPU every line counts."""
+def test_gpu_traces_count_every_kernel_once_under_the_instruction_that_ran_it():
+    """A GPU trace times kernels on its streams, named after their fusion ('.' -> '_', one
+    kernel for deduplicated copies) or, for library kernels, by an "hlo_op" stat; the host's
+    launch events repeat instruction names and must not count twice. On CPU the host
+    threads' events are the ops."""
     from types import SimpleNamespace as Namespace
 
-    def plane(name, *lines):
-        return Namespace(name=name, lines=[Namespace(name=line) for line in lines])
+    hlo = """HloModule m
 
-    gpu = Namespace(
-        planes=[
-            plane("/host:CPU", "XLA GPU launches"),
-            plane("/device:GPU:0", "Stream #13", "XLA Modules", "XLA Ops"),
-        ]
+%fused_computation (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %add.2 = f32[4]{0} add(%param_0, %param_0)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %loop_add_fusion.3 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %loop_add_fusion.7 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation, metadata={deduplicated_name="loop_add_fusion.3"}
+  ROOT %custom-call.1 = f32[4]{0} custom-call(%loop_add_fusion.7), custom_call_target="__cublas$gemm"
+}
+"""
+
+    def event(name, ns, **stats):
+        return Namespace(name=name, duration_ns=ns, stats=list(stats.items()))
+
+    def plane(name, *lines):
+        return Namespace(name=name, lines=[Namespace(name=n, events=e) for n, e in lines])
+
+    gpu = [
+        plane("/host:CPU", ("launches", [event("loop_add_fusion.3", 10**9)])),
+        plane(
+            "/device:GPU:0",
+            (
+                "Stream #14(Compute)",
+                [
+                    event("loop_add_fusion_3", 2 * 10**6),
+                    event("loop_add_fusion_3", 2 * 10**6),
+                    event("nvjet_sm90_gemm", 4 * 10**6, hlo_op="custom-call.1"),
+                    event("nvjet_sm90_gemm", 1 * 10**6, hlo_op="command_buffer_5"),
+                ],
+            ),
+        ),
+    ]
+    rows = {r["name"]: r for r in profiling.sum_ops(gpu, hlo, steps=1, count=None)}
+    assert {name: r["ms_per_step"] for name, r in rows.items()} == {
+        "loop_add_fusion.3": 4.0,
+        "custom-call.1": 4.0,
+        "nvjet_sm90_gemm": 1.0,
+    }
+    assert (
+        rows["loop_add_fusion.3"]["what"] == "fusion: add"
+        and rows["loop_add_fusion.3"]["calls_per_step"] == 2
     )
-    assert [line.name for line in profiling._op_lines(gpu)] == ["XLA Ops"]
-    cpu = Namespace(planes=[plane("/host:metadata"), plane("/host:CPU", "main", "tf_XLAEigen")])
-    assert [line.name for line in profiling._op_lines(cpu)] == ["main", "tf_XLAEigen"]
+    assert rows["nvjet_sm90_gemm"]["what"] == "library kernel"
+    cpu = [
+        plane("/host:CPU", ("tf_XLAEigen", [event("loop_add_fusion.3", 10**6), event("main", 1)]))
+    ]
+    assert [r["name"] for r in profiling.sum_ops(cpu, hlo, steps=1)] == ["loop_add_fusion.3"]
 
 
 def test_describe_ops_reads_fusions_and_plain_instructions():

@@ -16,6 +16,9 @@ import jax
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = [^=]*?\s([a-z][\w\-]*)\(")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_DEDUPLICATED = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*deduplicated_name=\"([\w.\-]+)\"", re.M
+)
 
 
 def trace(run_step: Callable[[], object], steps: int, directory: str) -> str:
@@ -61,14 +64,21 @@ def top_ops(trace_file: str, hlo_text: str, steps: int, count: int | None = 10) 
     """The `count` ops (None: all) with the most time per step, their share of all op time
     and calls."""
     profile = jax.profiler.ProfileData.from_file(trace_file)
+    return sum_ops(profile.planes, hlo_text, steps, count)
+
+
+def sum_ops(planes, hlo_text: str, steps: int, count: int | None = 10) -> list[dict]:
+    """`top_ops` of a trace's planes: on CPU the host threads' events, named by their HLO
+    instruction; on a TPU its "XLA Ops" line; on a GPU every kernel of its streams, named by
+    the instruction that launched it (XLA names a fusion's kernel after the instruction,
+    '.' -> '_'; a library kernel names it in its "hlo_op" stat, except inside a CUDA graph,
+    where it keeps its own name, as copies do: "library kernel")."""
     described = describe_ops(hlo_text)
     totals, calls = collections.Counter(), collections.Counter()
-    for line in _op_lines(profile):
-        for event in line.events:
-            # Only the step's own ops: events named like an instruction of its HLO.
-            if event.name in described and event.duration_ns > 0:
-                totals[event.name] += event.duration_ns
-                calls[event.name] += 1
+    for name, event in _op_events(planes, hlo_text, described):
+        if event.duration_ns > 0:
+            totals[name] += event.duration_ns
+            calls[name] += 1
     all_ops = sum(totals.values()) or 1
     return [
         dict(
@@ -76,24 +86,35 @@ def top_ops(trace_file: str, hlo_text: str, steps: int, count: int | None = 10) 
             ms_per_step=nanoseconds / 1e6 / steps,
             share=nanoseconds / all_ops,
             calls_per_step=calls[name] / steps,
-            what=described.get(name, ""),
+            what=described.get(name, "library kernel"),
         )
         for name, nanoseconds in totals.most_common(count)
     ]
 
 
-def _op_lines(profile) -> list:
-    """The trace lines that time the step's ops: on a GPU/TPU the device's "XLA Ops" line (its
-    kernel and host launch lines repeat the same names and would count each op twice); on
-    CPU, where ops run on host threads, every line."""
-    device_ops = [
-        line
-        for plane in profile.planes
-        if plane.name.startswith("/device:")
-        for line in plane.lines
-        if line.name == "XLA Ops"
+def _op_events(planes, hlo_text: str, described: dict) -> list:
+    """(op name, event) of the step's ops in the trace's planes."""
+    lines = [(plane.name, line) for plane in planes for line in plane.lines]  # read once
+    device = [line for plane, line in lines if plane.startswith("/device:")]
+    ops_lines = [line for line in device if line.name == "XLA Ops"]
+    streams = [line for line in device if line.name.startswith("Stream")]
+    if ops_lines or not streams:  # TPU, or CPU: events named like an instruction of the HLO
+        named = ops_lines or [line for _, line in lines]
+        return [(e.name, e) for line in named for e in line.events if e.name in described]
+    kernels = {name.replace(".", "_").replace("-", "_"): name for name in described}
+    for instruction, shared in _DEDUPLICATED.findall(hlo_text):  # one kernel for several
+        kernels.setdefault(shared.replace(".", "_").replace("-", "_"), instruction)
+    return [
+        (kernels.get(e.name) or _launched_by(e, described), e)
+        for line in streams
+        for e in line.events
     ]
-    return device_ops or [line for plane in profile.planes for line in plane.lines]
+
+
+def _launched_by(event, described: dict) -> str:
+    """The instruction a library kernel ran for (its "hlo_op" stat), else the kernel's name."""
+    instruction = dict(event.stats).get("hlo_op")
+    return instruction if instruction in described else event.name
 
 
 def by_kind(rows: list[dict], count: int = 10) -> list[dict]:
