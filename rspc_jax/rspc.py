@@ -62,11 +62,10 @@ class PatchCorruptionModel(nn.Module):
                 f"patch size {self.patch_size}"
             )
         fan_in = channels * self.patch_size**2
-        x = nn.Conv(
+        x = layers.Conv(
             1,
-            (self.patch_size,) * 2,
+            self.patch_size,
             strides=self.patch_size,
-            padding="VALID",
             use_bias=False,
             kernel_init=layers.torch_default_uniform(fan_in),
             name="patch_embed",

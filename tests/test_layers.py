@@ -59,6 +59,25 @@ def test_convolution_as_matrix_product_equals_xla_convolution(case):
     )
 
 
+def test_non_overlapping_convs_are_a_matrix_product_on_every_backend():
+    """Patch embeddings (and 1x1 convs) never reach XLA's convolution, whose input gradient
+    XLA:GPU runs as a dilated convolution: the same values and gradients, no conv op."""
+    x, kernel = _input_and_kernel(16, 3, (4, 4, 3, 6))
+    for choice in ("windows", "xla"):  # CPU's and the accelerators' implementations
+        with ops.implementation(choice):
+            jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: ops.conv(x, kernel, 4, 0).sum()))(x))
+            assert "conv_general_dilated" not in jaxpr
+            _assert_same_values_and_gradients(
+                lambda x, k: ops.conv(x, k, 4, 0),
+                lambda x, k: ops.conv_reference(x, k, 4, 0),
+                x,
+                kernel,
+            )
+    with ops.implementation("xla"):  # overlapping windows stay XLA's convolution there
+        overlapping = jax.make_jaxpr(lambda x: ops.conv(x, kernel, 2, 1))(x)
+        assert "conv_general_dilated" in str(overlapping)
+
+
 def test_conv_module_has_the_nn_conv_parameters_and_output():
     x = jax.random.normal(jax.random.PRNGKey(1), (2, 9, 9, 3))
     reference = nn.Conv(4, (3, 3), strides=2, padding=((1, 1), (1, 1)), use_bias=False)
@@ -163,6 +182,67 @@ def test_a_parameter_broadcast_over_the_batch_has_the_sum_as_gradient_either_way
     for choice in ("pairwise", "xla"):
         np.testing.assert_array_equal(values[choice], jnp.broadcast_to(shared, target.shape))
         np.testing.assert_allclose(grads[choice], jnp.sum(target, axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_attention_asks_for_cudnn_on_gpus_in_16_bit_only():
+    """jax.nn.dot_product_attention's default is XLA's kernel on every backend, so the GPU's
+    fused kernel is asked for by name, for the 16-bit inputs it takes."""
+    expected = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    assert ops.fused_attention_kernel(jnp.bfloat16) == expected
+    assert ops.fused_attention_kernel(jnp.float16) == expected
+    assert ops.fused_attention_kernel(jnp.float32) == "xla"
+
+
+def test_fused_attention_padded_to_an_even_token_count_is_the_same_attention():
+    """For cuDNN, whose training path takes even token counts only, 197 tokens become 198
+    with a masked key and the extra query dropped: same outputs and gradients (XLA's kernel
+    here), with and without a logit bias."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (jax.random.normal(key, (2, 5, 3, 8)) for key in keys[:3])
+    bias = jax.random.normal(keys[3], (1, 1, 5, 5))
+    for logit_bias in (None, bias):
+
+        def loss(q, k, v, pad, logit_bias=logit_bias):
+            out = ops.fused_attention(q, k, v, logit_bias, 0.3, kernel="xla", pad_to_even=pad)
+            return jnp.sum(out**2), out
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+        (_, padded), padded_grads = grad(q, k, v, True)
+        (_, plain), plain_grads = grad(q, k, v, False)
+        assert padded.shape == plain.shape == (2, 5, 3, 8)
+        np.testing.assert_allclose(padded, plain, rtol=1e-5, atol=1e-6)
+        for g_p, g in zip(padded_grads, plain_grads, strict=True):
+            np.testing.assert_allclose(g_p, g, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu", reason="cuDNN's fused attention kernel needs a GPU"
+)
+def test_cudnn_attention_equals_the_explicit_softmax_in_bfloat16():
+    """On a GPU, DeiT-S's bfloat16 attention layer runs cuDNN's kernel and gives the explicit
+    softmax's outputs and gradients to bfloat16 rounding."""
+    attention = layers.Attention(6, maps_unused=True)
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, 197, 384)).astype(jnp.bfloat16)
+    params = attention.init(jax.random.PRNGKey(1), x, train=True)["params"]
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+    def loss(params, x):
+        out = attention.apply({"params": params}, x, train=True)[0].astype(jnp.float32)
+        return jnp.mean(out**2), out
+
+    results, programs = {}, {}
+    for choice in ("explicit", "fused"):
+        with ops.attention_implementation(choice):
+            step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+            programs[choice] = step.lower(params, x).as_text()
+            results[choice] = step(params, x)
+    assert "cudnn" in programs["fused"] and "cudnn" not in programs["explicit"]
+    (_, out_f), grads_f = results["fused"]
+    (_, out_e), grads_e = results["explicit"]
+    np.testing.assert_allclose(out_f, out_e, rtol=2e-2, atol=2e-2)
+    for g_f, g_e in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_e), strict=True):
+        g_f, g_e = np.asarray(g_f, np.float32), np.asarray(g_e, np.float32)
+        assert np.abs(g_f - g_e).max() <= 0.05 * np.abs(g_e).max() + 1e-6
 
 
 def test_an_unknown_implementation_is_refused():

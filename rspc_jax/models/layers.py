@@ -211,12 +211,12 @@ class Attention(nn.Module):
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
         q, k, v = jnp.unstack(qkv)
         if self._fused(train, key_keep):
-            out = jax.nn.dot_product_attention(
+            out = ops.fused_attention(
                 q.transpose(0, 2, 1, 3),
                 k.transpose(0, 2, 1, 3),
                 v.transpose(0, 2, 1, 3),
-                bias=None if bias is None else bias.astype(q.dtype)[None, None],
-                scale=head_dim**-0.5,
+                None if bias is None else bias.astype(q.dtype)[None, None],
+                head_dim**-0.5,
             ).reshape(batch, tokens, dim)
             out = nn.Dense(dim, **init, name="proj")(out)
             return nn.Dropout(self.dropout, deterministic=not train)(out), None

@@ -71,14 +71,52 @@ def implementation(choice: str):
 
 
 def use_fused_attention() -> bool:
-    """Whether attention whose maps nobody reads is `jax.nn.dot_product_attention` (which
-    picks cuDNN's fused kernel on GPUs where it can) rather than the explicit softmax of the
-    logits. `RSPC_JAX_ATTENTION` = auto (default: fused on GPU only; on XLA:CPU it is
-    slower: 26 against 19 ms forward+backward of DeiT-S's attention core at batch 8) | fused
-    | explicit, or `attention_implementation(...)` in code. The same values to float32
-    rounding (tests/test_layers.py)."""
+    """Whether attention whose maps nobody reads is `jax.nn.dot_product_attention` (cuDNN's
+    fused kernel on GPUs in 16-bit, `fused_attention_kernel`) rather than the explicit
+    softmax of the logits. `RSPC_JAX_ATTENTION` = auto (default: fused on GPU only; on
+    XLA:CPU it is slower: 26 against 19 ms forward+backward of DeiT-S's attention core at
+    batch 8) | fused | explicit, or `attention_implementation(...)` in code. The same values
+    to float32 rounding (tests/test_layers.py)."""
     choice = _attention.get()
     return choice == "fused" or (choice == "auto" and jax.default_backend() == "gpu")
+
+
+def fused_attention_kernel(dtype) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for inputs of `dtype`: cuDNN's fused
+    (flash) kernel on GPUs, which takes 16-bit inputs only; XLA's elsewhere. jax.nn's own
+    default (None) is XLA's on every backend, so it must be asked for by name."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if sixteen_bit and jax.default_backend() == "gpu" else "xla"
+
+
+def fused_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    scale: float,
+    *,
+    kernel: str | None = None,
+    pad_to_even: bool | None = None,
+) -> jax.Array:
+    """`jax.nn.dot_product_attention` of (B, N, heads, head_dim) inputs with `kernel`
+    (default `fused_attention_kernel`). jax's cuDNN path refuses an odd token count in
+    training (197 for a 224 px ViT with its class token), so for cuDNN (`pad_to_even`
+    default) the tokens are padded to an even count with a masked key, and the padded
+    query's row is dropped: the same attention of the real tokens."""
+    kernel = kernel or fused_attention_kernel(q.dtype)
+    tokens = q.shape[1]
+    if not (kernel == "cudnn" if pad_to_even is None else pad_to_even) or tokens % 2 == 0:
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, implementation=kernel)
+    q, k, v = (jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0))) for t in (q, k, v))
+    if bias is not None:
+        bias = jnp.pad(bias, ((0, 0), (0, 0), (0, 1), (0, 1)))
+    real_keys = jnp.arange(tokens + 1) < tokens
+    mask = jnp.broadcast_to(real_keys, (1, 1, tokens + 1, tokens + 1))
+    out = jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=scale, implementation=kernel
+    )
+    return out[:, :tokens]
 
 
 def attention_implementation(choice: str):
@@ -148,8 +186,30 @@ def cpu_schedule(choice: str):
 
 
 def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
-    """A square dense convolution, NHWC input, HWIO kernel."""
+    """A square dense convolution, NHWC input, HWIO kernel. Non-overlapping windows (patch
+    embeddings, 1x1 convs) are one matrix product of the reshaped patches on every backend:
+    XLA:GPU takes the input gradient of a 16x16/16 patch embedding, which RSPC's corrupted
+    images need, as a convolution over the 16x dilated gradient (22.8 of the 105 ms of
+    DeiT-S's RSPC step, bfloat16, batch 256, one H200; the product is 30 GFLOP)."""
+    if _non_overlapping(x, kernel.shape[0], strides, padding):
+        return conv_patches(x, kernel)
     return (conv_im2col if use_window_ops() else conv_reference)(x, kernel, strides, padding)
+
+
+def _non_overlapping(x: jax.Array, size: int, strides: int, padding: int) -> bool:
+    return size == strides and padding == 0 and x.shape[1] % size == 0 and x.shape[2] % size == 0
+
+
+def conv_patches(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """A conv whose windows tile the input (kernel size = stride, no padding): a reshape
+    gathers the windows, one matrix product applies the kernel."""
+    size = kernel.shape[0]
+    batch, height, width, channels = x.shape
+    patches = x.reshape(batch, height // size, size, width // size, size, channels)
+    patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
+        batch, height // size, width // size, size * size * channels
+    )
+    return patches @ kernel.reshape(-1, kernel.shape[-1])
 
 
 def depthwise_conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
@@ -184,15 +244,9 @@ def conv_im2col(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> 
     (jax 0.10.2, 2-core CPU, forward+backward at batch 16: RVT's 7x7/2 stem conv 0.75 s =
     7 GFLOP/s; a 1x1 conv 192->768 97 ms, the same product as a matmul 35 ms)."""
     size = kernel.shape[0]
-    batch, height, width, channels = x.shape
-    if size == strides and padding == 0 and height % size == 0 and width % size == 0:
-        # Non-overlapping windows (patch embeddings, 1x1 convs): a reshape gathers them.
-        patches = x.reshape(batch, height // size, size, width // size, size, channels)
-        patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
-            batch, height // size, width // size, size * size * channels
-        )
-    else:
-        patches = jnp.concatenate(_windows(x, size, strides, padding), axis=-1)
+    if _non_overlapping(x, size, strides, padding):
+        return conv_patches(x, kernel)
+    patches = jnp.concatenate(_windows(x, size, strides, padding), axis=-1)
     return patches @ kernel.reshape(-1, kernel.shape[-1])
 
 
