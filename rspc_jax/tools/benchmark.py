@@ -333,8 +333,8 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     ours = timing.peak_rss_bytes()  # one process: every variant's
     rss |= {name: ours for name in results}
     device = {label: record.get("peak_device_bytes") for label, record in records.items()}
-    ours = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-    device |= {name: ours for name in results}
+    ours_device = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    device |= {name: ours_device for name in results}
     device_column = any(device.values())  # accelerators: the allocators' peaks
     first = next(iter(references.values()))[0]
     against = {label: label for label in records}
