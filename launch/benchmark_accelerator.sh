@@ -20,7 +20,8 @@
 # DeiT-S compiled in about 120 s beside the 17 other compiles, RVT-S*, FAN-S-Hybrid and
 # XCiT-S12 took over 200 s: docs/speed.md); PROFILE_DIR, if set, also
 # traces each row's steps there (--profile_dir) and prints their top ops; EXTRA_ROWS, more rows
-# in the ROWS format below (one per line), e.g. A/B settings, timed right after the first row.
+# in the ROWS format below (one per line), e.g. A/B settings, timed right after the first row;
+# COMPILE_JOBS, the compiles at a time (default: all on GPUs, 1 on TPUs).
 set -uo pipefail
 LOG="${1:-benchmark_accelerator.log}"
 BATCH="${BATCH:-256}"
@@ -59,6 +60,9 @@ ROWS+=(
 quiet() { grep -v "^[WI][0-9]\{4\} "; }  # absl's and XLA's log lines
 
 "$PYTHON" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
+# A TPU admits one process at a time: there the compiles run one after another.
+backend="$("$PYTHON" -c "import jax; print(jax.default_backend())" 2>/dev/null | tail -n 1)"
+COMPILE_JOBS="${COMPILE_JOBS:-$([[ "$backend" == tpu ]] && echo 1 || echo 0)}"  # 0: all at once
 
 echo "== compile phase: every row's steps at once" | tee -a "$LOG"
 COMPILE_LOGS="$(mktemp -d)"
@@ -68,6 +72,7 @@ for row in "${ROWS[@]}"; do
     # shellcheck disable=SC2086  # the fields are word lists
     env $environment timeout -k 10 "${COMPILE_TIMEOUT:-900}" "$PYTHON" -m rspc_jax.benchmark \
       --compile_only --variants=$variant $args >"$COMPILE_LOGS/$name.$variant" 2>&1 &
+    while ((COMPILE_JOBS > 0 && $(jobs -rp | wc -l) >= COMPILE_JOBS)); do wait -n; done
   done
 done
 wait

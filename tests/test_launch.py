@@ -117,3 +117,39 @@ def test_accelerator_benchmark_script_compiles_every_row_then_times_each(tmp_pat
     assert "--compare_command=rspc=echo /x/time_official.py rspc {steps} rvt_small_plus 128" in (
         official
     )
+
+
+def test_accelerator_benchmark_script_compiles_one_at_a_time_where_asked(tmp_path):
+    """COMPILE_JOBS bounds the compiles running at once (TPUs admit one process); by default
+    (GPUs) they all start together. Each fake compile logs how many were running with it."""
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/bash\n"
+        'if [[ "$*" == *compile_only* ]]; then\n'
+        '  touch "$RUNNING/$$"; sleep 0.3; ls "$RUNNING" | wc -l >> "$RUNNING.log"; rm "$RUNNING/$$"\n'
+        "fi\n"
+        'echo "$@"\n'
+    )
+    python.chmod(0o755)
+    most_at_once = {}
+    for jobs in ("0", "1"):
+        running = tmp_path / f"running{jobs}"
+        running.mkdir()
+        result = subprocess.run(
+            ["bash", str(REPO / "launch" / "benchmark_accelerator.sh"), str(tmp_path / jobs)],
+            cwd=REPO,
+            env={
+                **os.environ,
+                "PYTHON": str(python),
+                "COMPILE_JOBS": jobs,
+                "RUNNING": str(running),
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        counts = [int(n) for n in (tmp_path / f"running{jobs}.log").read_text().split()]
+        assert len(counts) == 16
+        most_at_once[jobs] = max(counts)
+    assert most_at_once["1"] == 1 and most_at_once["0"] > 1, most_at_once
