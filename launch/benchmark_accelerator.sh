@@ -59,12 +59,14 @@ ROWS+=(
 
 quiet() { grep -v "^[WI][0-9]\{4\} "; }  # absl's and XLA's log lines
 
-"$PYTHON" -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
-# A TPU admits one process at a time: there the compiles run one after another.
-backend="$("$PYTHON" -c "import jax; print(jax.default_backend())" 2>/dev/null | tail -n 1)"
+# The versions and devices for the log; a TPU admits one process at a time, so there the
+# compiles run one after another.
+info="$("$PYTHON" -c "import jax; print('jax', jax.__version__, jax.devices()); print('backend', jax.default_backend())" 2>&1)"
+backend="$(sed -n 's/^backend //p' <<<"$info")"
+grep -v "^backend " <<<"$info" | tee -a "$LOG"
 COMPILE_JOBS="${COMPILE_JOBS:-$([[ "$backend" == tpu ]] && echo 1 || echo 0)}"  # 0: all at once
 
-echo "== compile phase: every row's steps at once" | tee -a "$LOG"
+echo "== compile phase: every row's steps, $( ((COMPILE_JOBS)) && echo "$COMPILE_JOBS" || echo all) at a time" | tee -a "$LOG"
 COMPILE_LOGS="$(mktemp -d)"
 for row in "${ROWS[@]}"; do
   IFS='|' read -r name environment args _ <<<"$row"

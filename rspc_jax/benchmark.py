@@ -115,6 +115,7 @@ def main(argv):
         raise app.UsageError("pass --config=configs/<file>.py[:variant]")
     if _BATCH.value:
         config.batch_size = _BATCH.value
+    _refuse_unused_flags()
     if _MEMORY.value:
         memory_plan(config)
         return
@@ -131,6 +132,26 @@ def main(argv):
     )
     if references:
         benchmark.compare_side_by_side(results, references, _STEPS.value, _ROUNDS.value)
+
+
+def _refuse_unused_flags() -> None:
+    """--memory and --compile_only run no step: the flags of timed runs would be ignored."""
+    mode = "--memory" if _MEMORY.value else "--compile_only" if _COMPILE_ONLY.value else ""
+    timed = [
+        name
+        for name, given in (
+            ("--compile_only", _MEMORY.value and _COMPILE_ONLY.value),
+            ("--compare_timm", _COMPARE_TIMM.value),
+            ("--compare_command", _COMPARE_COMMAND.value),
+            ("--profile_dir", _PROFILE_DIR.value),
+        )
+        if given
+    ]
+    if mode and timed:
+        raise app.UsageError(
+            f"{mode} runs no step, so {', '.join(timed)} would do nothing: drop "
+            f"{'it' if len(timed) == 1 else 'them'}, or drop {mode} to time the steps"
+        )
 
 
 def _references(config, benchmark) -> dict:

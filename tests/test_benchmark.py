@@ -75,6 +75,40 @@ def test_compile_only_prints_compile_times_without_running_and_fills_the_cache(t
     assert {path.name for path in cache.iterdir() if "train_step" in path.name} == steps
 
 
+def test_modes_that_run_no_step_refuse_the_flags_of_timed_runs():
+    """--compile_only and --memory would silently ignore a reference or a profile."""
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.benchmark",
+            "--config=configs/demo.py:smoke",
+            "--compile_only",
+            "--compare_timm",
+            "--profile_dir=/tmp/unused",
+        ],
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert (
+        "--compile_only runs no step, so --compare_timm, --profile_dir would do nothing: drop "
+        "them, or drop --compile_only to time the steps"
+    ) in result.stderr
+
+
+def test_timm_step_refuses_a_device_torch_cannot_use():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU, so --device=cuda is valid")
+    result = run_python(
+        ["-m", "rspc_jax.tools.timm_step", "--model=deit_tiny_patch16_224", "--device=cuda"],
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "--device=cuda is not a device torch can run on here" in result.stderr
+    assert "pass --device=cpu" in result.stderr
+
+
 # Runs a module as `python -m` would, in a process where TensorFlow cannot be imported.
 _WITHOUT_TF = """
 import runpy, sys

@@ -105,8 +105,10 @@ def fused_attention(
     default) the tokens are padded to an even count with a masked key, and the padded
     query's row is dropped: the same attention of the real tokens."""
     kernel = kernel or fused_attention_kernel(q.dtype)
+    if pad_to_even is None:
+        pad_to_even = kernel == "cudnn"
     tokens = q.shape[1]
-    if not (kernel == "cudnn" if pad_to_even is None else pad_to_even) or tokens % 2 == 0:
+    if not pad_to_even or tokens % 2 == 0:
         return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, implementation=kernel)
     q, k, v = (jnp.pad(t, ((0, 0), (0, 1), (0, 0), (0, 0))) for t in (q, k, v))
     if bias is not None:

@@ -54,6 +54,12 @@ def time_timm_step(
             "pip install -r requirements-torch.txt"
         ) from None
 
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        choices = "--device=cpu or --device=cuda" if torch.cuda.is_available() else "--device=cpu"
+        raise SystemExit(
+            f"--device={device} is not a device torch can run on here"
+            f"{'' if torch.cuda.is_available() else ' (it sees no CUDA GPU)'}: pass {choices}"
+        )
     if not timm.is_model(model_name):
         raise SystemExit(
             f"{model_name} is not a timm model, so there is no timm step to compare with; "
