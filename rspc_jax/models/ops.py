@@ -330,14 +330,47 @@ def _depthwise_stride1_bwd(padding, residuals, grad):
     x, kernel = residuals
     size = kernel.shape[0]
     grad_x = _shifted_sum(grad, kernel[::-1, ::-1], 1, size - 1 - padding)
-    windows = _windows(x, size, 1, padding)
-    grad_kernel = jnp.stack([jnp.sum(w * grad, axis=(0, 1, 2)) for w in windows]).reshape(
-        kernel.shape
-    )
+    grad_kernel = _depthwise_kernel_grad(x, grad, size, padding)
     return grad_x.astype(x.dtype), grad_kernel.astype(kernel.dtype)
 
 
 _depthwise_stride1.defvjp(_depthwise_stride1_fwd, _depthwise_stride1_bwd)
+
+# Bytes of the k*k windows that `_depthwise_kernel_grad` lets XLA:CPU hold at once.
+DEPTHWISE_WINDOW_BYTES = 128 * 2**20
+
+
+def _depthwise_kernel_grad(x: jax.Array, grad: jax.Array, size: int, padding: int):
+    """sum over (b, h, w) of window (i, j) of x times grad, for every (i, j); where the k*k
+    windows of the whole batch exceed DEPTHWISE_WINDOW_BYTES, summed over chunks of images
+    in a `lax.scan`.
+
+    XLA:CPU writes each window out before reducing it and keeps them alive together: for
+    FAN-S-Hybrid's 7x7 convs at 56 x 56 x 128, 49 windows of 12.8 MB per conv at batch 8.
+    Chunked, its RSPC step (batch 8, 2 cores) fell from 7318 to 4893 MiB in XLA's estimate
+    and from 8.3 to 7.3 s (docs/speed.md, "A train step without loops, and FAN's depthwise
+    kernel gradient"). Below the limit one pass is faster: RVT-Ti*'s 3x3 convs chunked made
+    its RSPC step 4-10% slower."""
+    batch, height, width, channels = x.shape
+    windows_per_image = size * size * height * width * channels * x.dtype.itemsize
+    fitting = max(1, DEPTHWISE_WINDOW_BYTES // windows_per_image)
+    chunk = max(d for d in range(1, batch + 1) if batch % d == 0 and d <= fitting)
+
+    def kernel_grad(x, grad):
+        windows = _windows(x, size, 1, padding)
+        sums = jnp.stack([jnp.sum(w * grad, axis=(0, 1, 2)) for w in windows])
+        return sums.reshape(size, size, channels)
+
+    if chunk == batch:
+        return kernel_grad(x, grad)
+
+    def add_chunk(total, chunk_xg):
+        return total + kernel_grad(*chunk_xg), None
+
+    # The first chunk starts the sum: its type carries shard_map's varying axes, a zero would not.
+    first = kernel_grad(x[:chunk], grad[:chunk])
+    rest = tuple(t[chunk:].reshape(batch // chunk - 1, chunk, *t.shape[1:]) for t in (x, grad))
+    return jax.lax.scan(add_chunk, first, rest)[0]
 
 
 def grouped_conv_reference(
