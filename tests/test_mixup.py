@@ -11,6 +11,7 @@ from scipy import stats
 
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
+from rspc_jax.models import ops
 from rspc_jax.training import mixup, setup
 from tests.conftest import first_batches, smoke_config
 
@@ -60,15 +61,17 @@ def test_the_mixing_has_no_device_loop():
 
 
 def test_the_rspc_train_step_with_mixing_has_no_loop_on_gpu_or_tpu(digits_data_dir):
-    """Lowered (not compiled) for each accelerator: no while loop anywhere in the step. (On
-    the CPU, JAX's threefry hash is a loop of five rounds; accelerators unroll it.)"""
+    """Lowered (not compiled) for each accelerator, with the window ops an accelerator
+    traces: no while loop anywhere in the step. (On the CPU, JAX's threefry hash is a loop
+    of five rounds, and large depthwise kernel gradients loop over image chunks.)"""
     config = smoke_config(digits_data_dir, **{"mixup.mixup_alpha": 0.8, "mixup.cutmix_alpha": 1.0})
     assert config.rspc.enabled
     spec = datasets.dataset_spec(config.dataset)
     mesh = parallel.create_mesh()
     parts = setup.build(config, setup.build_model(config, spec.num_classes), spec, mesh, 20, 20)
     state = jax.eval_shape(parts.init, jax.random.PRNGKey(0))
-    traced = parts.train_step.trace(state, parallel.to_global(first_batches(config)[0], mesh))
+    with ops.implementation("xla"):
+        traced = parts.train_step.trace(state, parallel.to_global(first_batches(config)[0], mesh))
     for platform in ("cuda", "tpu"):
         program = traced.lower(lowering_platforms=(platform,)).as_text(debug_info=True)
         assert "mixup.py" in program  # the mixing is in the step
