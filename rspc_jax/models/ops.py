@@ -348,9 +348,9 @@ def _depthwise_kernel_grad(x: jax.Array, grad: jax.Array, size: int, padding: in
     XLA:CPU writes each window out before reducing it and keeps them alive together: for
     FAN-S-Hybrid's 7x7 convs at 56 x 56 x 128, 49 windows of 12.8 MB per conv at batch 8.
     Chunked, its RSPC step (batch 8, 2 cores) fell from 7318 to 4893 MiB in XLA's estimate
-    and from 8.3 to 7.3 s (docs/speed.md, "A train step without loops, and FAN's depthwise
-    kernel gradient"). Below the limit one pass is faster: RVT-Ti*'s 3x3 convs chunked made
-    its RSPC step 4-10% slower."""
+    and from 8.1-8.3 to 7.3-7.5 s (docs/speed.md, "A train step without loops, and FAN's
+    depthwise kernel gradient"). Below the limit one pass is faster: RVT-Ti*'s 3x3 convs
+    chunked made its RSPC step 4-10% slower."""
     batch, height, width, channels = x.shape
     windows_per_image = size * size * height * width * channels * x.dtype.itemsize
     fitting = max(1, DEPTHWISE_WINDOW_BYTES // windows_per_image)
