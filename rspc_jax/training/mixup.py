@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 # Marsaglia-Tsang accepts at least 95% of its proposals for a shape >= 1, so all of these are
-# rejected with probability below 1e-20; the draw then falls back to the gamma's mode.
+# rejected with probability below 1e-20; the draw is then d = shape - 1/3 (v = 1).
 _GAMMA_PROPOSALS = 16
 
 
@@ -32,8 +32,9 @@ def _log_gamma(key, alpha: float):
     log_u = jnp.log(jax.random.uniform(accept_key, (_GAMMA_PROPOSALS,)))
     accepted = (v > 0) & (log_u < 0.5 * x**2 + d - d * v + d * log_v)
     log_gamma = math.log(d) + jnp.where(accepted.any(), log_v[jnp.argmax(accepted)], 0.0)
-    if alpha < 1.0:
-        log_gamma += jnp.log(jax.random.uniform(boost_key)) / alpha
+    if alpha < 1.0:  # U > 0: two log(0) boosts would make the beta draw -inf - -inf = NaN
+        u = jax.random.uniform(boost_key, minval=jnp.finfo(jnp.float32).tiny)
+        log_gamma += jnp.log(u) / alpha
     return log_gamma
 
 
