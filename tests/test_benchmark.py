@@ -156,18 +156,18 @@ def test_flops_of_a_lowered_step_without_the_backends_analysis_come_from_the_hos
     assert lowered.cost_analysis()["flops"] >= 2 * 64 * 32 * 16
 
 
-def test_benchmark_counts_every_scanned_block_and_micro_batch():
-    """XLA's cost analysis counts a loop body once; the scanned model and the accumulated
-    step do the same work."""
-    rows = [
-        re.search(_ROW.format("plain"), out, re.M).group(4)
-        for out in (
-            _benchmark("--batch=8", "--variants=plain"),
-            _benchmark("--batch=8", "--variants=plain", "--config.scan_blocks=True"),
-            _benchmark("--batch=8", "--variants=plain", "--config.grad_accum_steps=2"),
-        )
-    ]
-    assert rows[0] == rows[1] == rows[2]
+def test_benchmark_counts_every_scanned_block_micro_batch_and_step():
+    """XLA's cost analysis counts a loop body once; the scanned model, the accumulated
+    step and a call of several steps (timed per step) do the same work per step."""
+    outs = (
+        _benchmark("--batch=8", "--variants=plain"),
+        _benchmark("--batch=8", "--variants=plain", "--config.scan_blocks=True"),
+        _benchmark("--batch=8", "--variants=plain", "--config.grad_accum_steps=2"),
+        _benchmark("--batch=8", "--variants=plain", "--config.steps_per_call=3"),
+    )
+    rows = [re.search(_ROW.format("plain"), out, re.M).group(4) for out in outs]
+    assert rows[0] == rows[1] == rows[2] == rows[3]
+    assert "2 timed calls of 3 steps" in outs[3]
 
 
 def test_profile_sums_the_steps_ops_and_names_their_hlo(tmp_path):

@@ -57,29 +57,36 @@ _EQUALITY_SCRIPT = textwrap.dedent("""
         local_batch_size=16, seed=0, augment="digits"), 3))
     mesh = parallel.create_mesh()
     results = {}
-    for sharding in ("replicated", "fsdp"):
-        config.sharding = sharding
+    # FSDP also with the three steps in one call (config.steps_per_call).
+    for sharding, per_call in (("replicated", 1), ("fsdp", 1), ("fsdp", 3)):
+        config.sharding, config.steps_per_call = sharding, per_call
         parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
         state = parts.init(jax.random.PRNGKey(0))
         specs = [x.sharding.spec for x in jax.tree.leaves(state.params)]
-        for batch in batches:
+        if per_call > 1:
+            state, metrics = parts.train_steps(
+                state, tuple(parallel.to_global(batch, mesh) for batch in batches))
+            metrics = jax.tree.map(lambda m: m[-1], jax.block_until_ready(metrics))
+        for batch in batches if per_call == 1 else ():
             state, metrics = parts.train_step(state, parallel.to_global(batch, mesh))
             jax.block_until_ready(metrics)  # queued collectives deadlock on 2 CPU cores
         # The step hands the state back in the layout it got it in.
         assert [x.sharding.spec for x in jax.tree.leaves(state.params)] == specs
-        results[sharding] = jax.device_get((state, metrics)), specs
-    (replicated, _), (fsdp, fsdp_specs) = results["replicated"], results["fsdp"]
-    assert sum(parallel.DATA_AXIS in spec for spec in fsdp_specs) >= 4, fsdp_specs
-    for name in ("params", "ema_params", "opt_state", "corruption_params", "corruption_opt_state",
-                 "batch_stats", "step"):
-        a, b = getattr(replicated[0], name), getattr(fsdp[0], name)
-        assert jax.tree.structure(a) == jax.tree.structure(b), name
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-            np.testing.assert_allclose(x, y, atol=1e-5, rtol=0, err_msg=name)
-    assert replicated[1].keys() == fsdp[1].keys()
-    for key in replicated[1]:
-        np.testing.assert_allclose(
-            replicated[1][key], fsdp[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
+        results[sharding, per_call] = jax.device_get((state, metrics)), specs
+    replicated, _ = results["replicated", 1]
+    for mode in (("fsdp", 1), ("fsdp", 3)):
+        fsdp, fsdp_specs = results[mode]
+        assert sum(parallel.DATA_AXIS in spec for spec in fsdp_specs) >= 4, fsdp_specs
+        for name in ("params", "ema_params", "opt_state", "corruption_params",
+                     "corruption_opt_state", "batch_stats", "step"):
+            a, b = getattr(replicated[0], name), getattr(fsdp[0], name)
+            assert jax.tree.structure(a) == jax.tree.structure(b), (mode, name)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_allclose(x, y, atol=1e-5, rtol=0, err_msg=f"{mode} {name}")
+        assert replicated[1].keys() == fsdp[1].keys()
+        for key in replicated[1]:
+            np.testing.assert_allclose(
+                replicated[1][key], fsdp[1][key], rtol=1e-4, atol=1e-6, err_msg=f"{mode} {key}")
     print("EQUAL")
 """)
 

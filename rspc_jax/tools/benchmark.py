@@ -1,7 +1,6 @@
 """Speed of train-step variants of a config's model, measured in one run (the library of
 `python -m rspc_jax.benchmark`, whose docstring says what the table holds)."""
 
-import functools
 import json
 import os
 import statistics
@@ -88,27 +87,31 @@ def _train_parts(config, spec, mesh):
 
 def compile_step(config, spec, batch):
     """Builds `config`'s train state and compiles its step (ahead of time) for `batch`: the
-    state, the global batch, the compiled step, the seconds spent lowering and compiling,
-    and the step's FLOPs."""
+    state, the step's batch argument (with config.steps_per_call > 1, that many copies of
+    the global batch, for one call of that many steps), the compiled step, the seconds
+    spent lowering and compiling, and one step's FLOPs."""
     mesh = parallel.create_mesh()
     parts = _train_parts(config, spec, mesh)
     state = parts.init(jax.random.PRNGKey(config.seed))
     global_batch = parallel.to_global(batch, mesh)
+    step, batches = parts.train_step, global_batch
+    if config.steps_per_call > 1:
+        step, batches = parts.train_steps, (global_batch,) * config.steps_per_call
     start = time.perf_counter()
-    lowered = parts.train_step.lower(state, global_batch)
+    lowered = step.lower(state, batches)
     compiled = lowered.compile()
     compile_sec = time.perf_counter() - start
-    if config.scan_blocks or config.grad_accum_steps > 1:
-        # XLA counts a loop body once, not once per block or micro-batch: count the step
-        # without these loops (the same math).
+    if config.scan_blocks or config.grad_accum_steps > 1 or config.steps_per_call > 1:
+        # XLA counts a loop body once, not once per block, micro-batch or step: count one
+        # step without these loops (the same math).
         unrolled = config.copy_and_resolve_references()
-        unrolled.scan_blocks, unrolled.grad_accum_steps = False, 1
+        unrolled.scan_blocks, unrolled.grad_accum_steps, unrolled.steps_per_call = False, 1, 1
         flops = _step_flops(
             _train_parts(unrolled, spec, mesh).train_step.lower(state, global_batch)
         )
     else:
         flops = _step_flops(lowered)
-    return state, global_batch, compiled, compile_sec, flops
+    return state, batches, compiled, compile_sec, flops
 
 
 def time_step(
@@ -117,27 +120,34 @@ def time_step(
     """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`; with
     `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops'); with
     `keep_timer`, adds 'time_steps' (n -> seconds of n more steps, and cores busy), which
-    keeps the compiled step and its state alive for later rounds."""
-    state, global_batch, compiled, compile_sec, flops = compile_step(config, spec, batch)
+    keeps the compiled step and its state alive for later rounds. With
+    config.steps_per_call > 1 each timed call runs that many steps, and the times are per
+    step."""
+    state, batches, compiled, compile_sec, flops = compile_step(config, spec, batch)
     host_memory.release_freed_memory()  # as the training loop does before its first step
+    per_call = config.steps_per_call
 
-    def step():
-        """One step, blocked; the state carries over to the next."""
+    def call():
+        """One call, blocked; the state carries over to the next."""
         nonlocal state
-        state, metrics = compiled(state, global_batch)
+        state, metrics = compiled(state, batches)
         jax.block_until_ready(metrics)
 
-    time_steps = functools.partial(timing.time_calls, step)  # n -> (seconds, cores busy)
-    step()  # warm-up: first-run allocations
+    def time_steps(count: int) -> tuple[list[float], float]:
+        """Seconds per step of each of `count` calls, and the cores they kept busy."""
+        times, cores_busy = timing.time_calls(call, count)
+        return [t / per_call for t in times], cores_busy
+
+    call()  # warm-up: first-run allocations
     times, cores_busy = time_steps(steps)
     median = statistics.median(times)
     top = None
     if profile_dir:
-        trace_file = profiling.trace(step, 2, profile_dir)
+        trace_file = profiling.trace(call, 2, profile_dir)
         hlo = compiled.as_text()
         with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
             f.write(hlo)  # the optimised HLO the trace's op names refer to
-        top = profiling.top_ops(trace_file, hlo, steps=2, count=None)
+        top = profiling.top_ops(trace_file, hlo, steps=2 * per_call, count=None)
     peak = peak_flops(jax.devices()[0].device_kind, config.compute_dtype or "float32")
     stats = jax.devices()[0].memory_stats() or {}
     return dict(
@@ -174,7 +184,8 @@ def print_table(
     print(
         f"model {config.model_name}, global batch {config.batch_size} clean images per step "
         f"(RSPC and TRADES put 2x through the classifier), "
-        f"{jax.device_count()} x {jax.devices()[0].device_kind}, {steps} timed steps"
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}, {steps} timed "
+        + (f"calls of {config.steps_per_call} steps" if config.steps_per_call > 1 else "steps")
     )
     first = next(iter(results))
     print(

@@ -74,6 +74,7 @@ _INTEGER = (
     "eval_batch_size",
     "image_size",
     "total_steps",
+    "steps_per_call",
     "repeated_augment",
     "adversarial.steps",
     "evaluation.occlusion_masks",
@@ -85,6 +86,9 @@ RANGES = {
     "batch_size": Range(_positive, "> 0", "the global batch of all devices and hosts"),
     "grad_accum_steps": Range(
         _at_least_one, ">= 1", "micro-batches per optimizer step; 1 = no accumulation"
+    ),
+    "steps_per_call": Range(
+        _at_least_one, ">= 1", "train steps per compiled call; 1 = one step per call"
     ),
     "eval_batch_size": Range(_positive, "> 0", "the global evaluation batch"),
     "num_epochs": Range(_positive, "> 0", "epochs to train (unless total_steps > 0)"),

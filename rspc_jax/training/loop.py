@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 import contextlib
+import functools
 import itertools
 import json
 import os
@@ -163,7 +164,9 @@ def train_and_evaluate(
     """Trains (or resumes) the run in `workdir`.
 
     Returns the final state, the step reached and the last evaluation ('eval', and
-    'eval_ema' with EMA). `should_stop(step)` can end the run early, like SIGTERM.
+    'eval_ema' with EMA). `should_stop(step)` can end the run early, like SIGTERM; it is
+    asked after each call of the step, i.e. after each of config.steps_per_call steps
+    between log, eval and checkpoint steps.
     """
     setup.validate_config(config)
     spec = datasets.dataset_spec(config.dataset)
@@ -218,7 +221,13 @@ def train_and_evaluate(
         f"of {config.batch_size} images"
     )
 
-    train_step = parts.train_step
+    train_step, train_steps = parts.train_step, parts.train_steps
+    is_steady = functools.partial(
+        _is_steady,
+        first=start_step + 1,
+        last=total_steps,
+        every=(config.log_every_steps, eval_every, config.checkpoint_every_steps),
+    )
     local_batch = config.batch_size // jax.process_count()
     train_batches = parallel.prefetch_to_mesh(
         train_data.train_iterator(
@@ -276,6 +285,8 @@ def train_and_evaluate(
             # compiler's freed memory is returned before the step's buffers are allocated.
             first_batch = next(train_batches)
             train_step.lower(state, first_batch).compile()
+            if train_steps is not None:
+                train_steps.lower(state, (first_batch,) * config.steps_per_call).compile()
             host_memory.release_freed_memory()
             train_batches = itertools.chain([first_batch], train_batches)
         with stop.installed():
@@ -284,19 +295,19 @@ def train_and_evaluate(
                 # agree at log steps (where they wait for the save) so that all stop together.
                 if jax.process_count() == 1 or step % config.log_every_steps == 0:
                     ckpt.check(wait=jax.process_count() > 1)
-                step += 1
+                # Steady steps (see `_is_steady`) go config.steps_per_call to a call.
+                together = range(step + 1, step + config.steps_per_call + 1)
+                steady = all(map(is_steady, together))
+                count = len(together) if steady and train_steps is not None else 1
+                step += count
                 last = step == total_steps
                 log_step = step % config.log_every_steps == 0 or last
-                # Steps that only dispatch: no host<->device sync and no collective across
-                # hosts; a stop request is agreed at the next log step on multi-host runs.
-                steady = not (
-                    log_step
-                    or step == start_step + 1
-                    or step % eval_every == 0
-                    or step % config.checkpoint_every_steps == 0
-                )
                 with jax.transfer_guard(config.transfer_guard if steady else "allow"):
-                    state, step_metrics = train_step(state, next(train_batches))
+                    if count > 1:
+                        batches = tuple(next(train_batches) for _ in range(count))
+                        state, step_metrics = train_steps(state, batches)
+                    else:
+                        state, step_metrics = train_step(state, next(train_batches))
                     pending.append(step_metrics)
                     if block:  # queued collectives deadlock on few-core CPUs
                         jax.block_until_ready(step_metrics)
@@ -339,6 +350,13 @@ def train_and_evaluate(
             f"{ckpt.directory}"
         )
     return dict(state=state, step=step, total_steps=total_steps, **final)
+
+
+def _is_steady(step: int, *, first: int, last: int, every: tuple[int, ...]) -> bool:
+    """Whether `step` only dispatches: not the first or last step, nor a log, eval or
+    checkpoint step, so no host<->device sync and no collective across hosts (a stop
+    request is agreed at the next log step on multi-host runs)."""
+    return step not in (first, last) and all(step % n for n in every)
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -23,9 +23,9 @@ class NonFiniteLossError(ReportedError, FloatingPointError):
 
 
 def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
-    """Averages fetched per-step metrics; raises on the first step whose loss, gradients or
+    """Averages the metrics of the steps since `first_step` (one dict per call); raises on the first step whose loss, gradients or
     updated parameters were not finite (flagged by the train step)."""
-    fetched = jax.device_get(step_metrics)
+    fetched = [one for metrics in jax.device_get(step_metrics) for one in _each_step(metrics)]
     for offset, metrics in enumerate(fetched):
         loss = float(metrics["loss"])
         if metrics.get("nonfinite", 0.0) or not math.isfinite(loss):
@@ -39,6 +39,13 @@ def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
             )
     means = {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0] if k != "nonfinite"}
     return {k: float(v) if v.ndim == 0 else v.tolist() for k, v in means.items()}
+
+
+def _each_step(metrics: dict) -> list[dict]:
+    """The metrics of each step of one call: a call of several steps stacks them."""
+    if np.ndim(metrics["loss"]) == 0:
+        return [metrics]
+    return [{k: v[i] for k, v in metrics.items()} for i in range(len(metrics["loss"]))]
 
 
 class MetricsWriteError(ReportedError, OSError):

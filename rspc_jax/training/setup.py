@@ -155,6 +155,9 @@ def state_specs(state: train_step_lib.TrainState, sharding: str, num_devices: in
 class Parts(NamedTuple):
     init: Callable  # rng -> TrainState, laid out as `config.sharding` says; keeps no program
     train_step: Callable  # (state, global batch) -> (state, metrics)
+    # (state, tuple of config.steps_per_call global batches) -> (state, metrics stacked over
+    # the steps); None when steps_per_call is 1.
+    train_steps: Callable | None = None
 
 
 def _dropping_its_program(init: Callable) -> Callable:
@@ -205,7 +208,8 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     specs = state_specs(jax.eval_shape(create, jax.random.PRNGKey(0)), config.sharding, mesh.size)
     # A fresh state is created in its layout, and a checkpoint restores into it.
     init = _dropping_its_program(jax.jit(create, out_shardings=parallel.shardings(mesh, specs)))
-    train_step = train_step_lib.make_train_step(
+    make_step = functools.partial(
+        train_step_lib.make_train_step,
         mesh,
         specs,
         model=model,
@@ -215,4 +219,5 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
         schedule=schedule,
         settings=step_settings(config, spec, steps_per_epoch),
     )
-    return Parts(init, train_step)
+    several = config.steps_per_call
+    return Parts(init, make_step(), make_step(steps=several) if several > 1 else None)
