@@ -160,6 +160,7 @@ def time_step(
         peak_bytes=stats.get("peak_bytes_in_use"),
         top_ops=top,
         cores_busy=cores_busy,
+        steps_per_call=per_call,
         **({"time_steps": time_steps} if keep_timer else {}),
     )
 
@@ -353,7 +354,13 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     frameworks = sorted({r["framework"] for r in records.values() if r.get("framework")})
     print(
         f"\nside by side with {', '.join(frameworks) or 'the reference steps'}, "
-        f"{rounds} interleaved rounds of {steps} steps each:"
+        f"{rounds} interleaved rounds of {steps} steps each"
+        + "".join(
+            f" ({name}: {steps} calls of {r['steps_per_call']} steps)"
+            for name, r in results.items()
+            if r.get("steps_per_call", 1) > 1
+        )
+        + ":"
     )
     print(
         f"{'step':<24} {'median step s':>14} {'x reference':>12} {'reference':<16} "
