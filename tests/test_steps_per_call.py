@@ -71,7 +71,7 @@ def test_the_loop_runs_steady_stretches_together_and_trains_the_same(
     digits_data_dir, tmp_path, monkeypatch
 ):
     """Steps 2-4 and 6-8 of 10 (log every 5) go in calls of 3, under the transfer guard;
-    the rest run alone. States and logged losses match one step per call; a stop asked in
+    the rest run alone (step 9 guarded too). States and logged losses match one step per call; a stop asked in
     the middle of a call stops at its end, with a checkpoint of that step."""
     overrides = dict(
         total_steps=10,
@@ -84,11 +84,20 @@ def test_the_loop_runs_steady_stretches_together_and_trains_the_same(
     single = loop.train_and_evaluate(
         smoke_config(digits_data_dir, **overrides), str(tmp_path / "single")
     )
-    calls = []
+    calls, guards = [], []
     _hook_calls(monkeypatch, calls)
+    guard = jax.transfer_guard
+
+    def recording_guard(level):
+        guards.append(level)
+        return guard(level)
+
+    monkeypatch.setattr(jax, "transfer_guard", recording_guard)
     config = smoke_config(digits_data_dir, steps_per_call=3, **overrides)
     together = loop.train_and_evaluate(config, str(tmp_path / "together"))
     assert calls == [1, 3, 1, 3, 1, 1], calls
+    # Step 9, steady but too close to step 10 for a call of 3, is guarded too.
+    assert guards == ["allow", "disallow", "allow", "disallow", "disallow", "allow"], guards
     assert together["step"] == single["step"] == 10
     _assert_close(jax.device_get(single["state"]), jax.device_get(together["state"]), "state")
     single_losses = _train_losses(tmp_path / "single")

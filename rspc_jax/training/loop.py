@@ -297,8 +297,9 @@ def train_and_evaluate(
                     ckpt.check(wait=jax.process_count() > 1)
                 # Steady steps (see `_is_steady`) go config.steps_per_call to a call.
                 together = range(step + 1, step + config.steps_per_call + 1)
-                steady = all(map(is_steady, together))
-                count = len(together) if steady and train_steps is not None else 1
+                several = train_steps is not None and all(map(is_steady, together))
+                count = len(together) if several else 1
+                steady = is_steady(step + count)  # a call of several holds only steady steps
                 step += count
                 last = step == total_steps
                 log_step = step % config.log_every_steps == 0 or last
