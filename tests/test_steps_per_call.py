@@ -19,9 +19,8 @@ def _assert_close(a, b, what):
         np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6, err_msg=what)
 
 
-@pytest.mark.parametrize("rspc", [False, True], ids=["plain", "rspc"])
-def test_a_call_of_three_steps_equals_three_single_steps(digits_data_dir, rspc):
-    config = smoke_config(digits_data_dir, steps_per_call=3, **{"rspc.enabled": rspc})
+def test_a_call_of_three_rspc_steps_equals_three_single_steps(digits_data_dir):
+    config = smoke_config(digits_data_dir, steps_per_call=3)
     spec = datasets.dataset_spec(config.dataset)
     mesh = parallel.create_mesh()
     parts = setup.build(config, setup.build_model(config, spec.num_classes), spec, mesh, 20, 20)
