@@ -195,7 +195,7 @@ def get_default_config() -> ml_collections.ConfigDict:
     # Train steps per compiled call between log, eval and checkpoint steps (one lax.scan
     # over that many batches; those steps themselves run alone). One dispatch per call, and
     # on CPU XLA maps the step's temporaries afresh once per call instead of once per step:
-    # 4 makes CPU steps 9-19% faster (docs/speed.md). A stop request (SIGTERM,
+    # 4 makes steps 14-21% faster on 2 CPU cores (docs/speed.md). A stop request (SIGTERM,
     # should_stop) is seen at the end of a call. 1 = one step per call.
     c.steps_per_call = 1
     c.distributed = "auto"  # jax.distributed.initialize: 'auto' | 'yes' | 'no'

@@ -23,8 +23,9 @@ class NonFiniteLossError(ReportedError, FloatingPointError):
 
 
 def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
-    """Averages the metrics of the steps since `first_step` (one dict per call); raises on the first step whose loss, gradients or
-    updated parameters were not finite (flagged by the train step)."""
+    """Averages the metrics of the steps after `first_step` (one dict per call, stacked for a
+    call of several steps); raises on the first step whose loss, gradients or updated
+    parameters were not finite (flagged by the train step)."""
     fetched = [one for metrics in jax.device_get(step_metrics) for one in _each_step(metrics)]
     for offset, metrics in enumerate(fetched):
         loss = float(metrics["loss"])
