@@ -453,3 +453,32 @@ def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cw
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True
     )
+
+
+def on_each_train_call(monkeypatch, hook):
+    """Makes the loop's train step and its several-steps call (config.steps_per_call) call
+    `hook(steps)` before each call, `steps` being how many steps it runs; their `lower` (the
+    loop compiles ahead of step 1) stays the jitted one's."""
+    from rspc_jax.training import setup
+
+    build = setup.build
+
+    def hooked(step, steps_of):
+        if step is None:
+            return None
+
+        def call(state, batch):
+            hook(steps_of(batch))
+            return step(state, batch)
+
+        call.lower = step.lower
+        return call
+
+    def hooked_build(*args, **kwargs):
+        parts = build(*args, **kwargs)
+        return parts._replace(
+            train_step=hooked(parts.train_step, lambda batch: 1),
+            train_steps=hooked(parts.train_steps, len),
+        )
+
+    monkeypatch.setattr(setup, "build", hooked_build)

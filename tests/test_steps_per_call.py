@@ -11,7 +11,7 @@ import pytest
 from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.training import loop, reporting, setup
-from tests.conftest import first_batches, smoke_config
+from tests.conftest import first_batches, on_each_train_call, smoke_config
 
 
 def _assert_close(a, b, what):
@@ -38,28 +38,6 @@ def test_a_call_of_three_rspc_steps_equals_three_single_steps(digits_data_dir):
         _assert_close(metrics, {k: v[i] for k, v in stacked.items()}, f"metrics of step {i}")
 
 
-def _hook_calls(monkeypatch, calls: list):
-    """Records the number of steps of each call of the loop's train step(s)."""
-    build = setup.build
-
-    def hooked_build(*args, **kwargs):
-        parts = build(*args, **kwargs)
-
-        def train_step(state, batch):
-            calls.append(1)
-            return parts.train_step(state, batch)
-
-        def train_steps(state, batches):
-            calls.append(len(batches))
-            return parts.train_steps(state, batches)
-
-        train_step.lower = parts.train_step.lower
-        train_steps.lower = parts.train_steps.lower
-        return parts._replace(train_step=train_step, train_steps=train_steps)
-
-    monkeypatch.setattr(setup, "build", hooked_build)
-
-
 def _train_losses(workdir) -> dict:
     with open(workdir / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
@@ -84,7 +62,7 @@ def test_the_loop_runs_steady_stretches_together_and_trains_the_same(
         smoke_config(digits_data_dir, **overrides), str(tmp_path / "single")
     )
     calls, guards = [], []
-    _hook_calls(monkeypatch, calls)
+    on_each_train_call(monkeypatch, calls.append)
     guard = jax.transfer_guard
 
     def recording_guard(level):

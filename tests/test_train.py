@@ -20,7 +20,7 @@ from rspc_jax.models import ops
 from rspc_jax.training import host_memory, mixup, setup
 from rspc_jax.training import loop as train
 from rspc_jax.training import step as train_step_lib
-from tests.conftest import REPO, first_batches, run_python, smoke_config
+from tests.conftest import REPO, first_batches, on_each_train_call, run_python, smoke_config
 
 
 def _loss_at(
@@ -248,24 +248,6 @@ def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data
     assert identity.ste_clip is None and official.ste_clip == 1.0
 
 
-def _before_each_train_step(monkeypatch, hook):
-    """Makes the loop's train step call `hook()` before each step; its `lower` (the loop
-    compiles ahead of step 1) stays the jitted step's."""
-    build = setup.build
-
-    def hooked_build(*args, **kwargs):
-        parts = build(*args, **kwargs)
-
-        def train_step(state, batch):
-            hook()
-            return parts.train_step(state, batch)
-
-        train_step.lower = parts.train_step.lower
-        return parts._replace(train_step=train_step)
-
-    monkeypatch.setattr(setup, "build", hooked_build)
-
-
 @contextlib.contextmanager
 def _on_compile_of(function_name: str, hook):
     """Calls `hook()` whenever XLA compiles a jitted function whose name contains
@@ -300,7 +282,7 @@ def test_steps_between_log_steps_never_wait_for_the_device(digits_data_dir, tmp_
     def count():
         executed[0] += 1
 
-    _before_each_train_step(monkeypatch, count)
+    on_each_train_call(monkeypatch, lambda steps: count())
 
     def recording(fn):
         def wrapper(*args, **kwargs):
@@ -324,7 +306,7 @@ def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
     the process peak does not hold both; the step then runs from the cache (one compile)."""
     config = smoke_config(digits_data_dir, total_steps=2, eval_every_steps=100)
     events = []
-    _before_each_train_step(monkeypatch, lambda: events.append("step"))
+    on_each_train_call(monkeypatch, lambda steps: events.append("step"))
     monkeypatch.setattr(host_memory, "release_freed_memory", lambda: events.append("release"))
     with _on_compile_of("train_step", lambda: events.append("compile")):
         train.train_and_evaluate(config, str(tmp_path / "run"))
