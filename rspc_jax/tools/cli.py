@@ -1,4 +1,4 @@
-"""What the command-line tools share: `run` (flag parsing and one-paragraph errors), `start`
+"""What the command-line tools share: `run` (flag parsing, the allocator, one-paragraph errors), `start`
 (logging, jax.distributed), and the flags that name the weights the checkpoint-reading
 tools (evaluate, analyze, study) read. Light on purpose: nothing here imports JAX or
 TensorFlow, so bad flags and configs fail in a second."""
@@ -16,9 +16,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rspc_jax import ReportedError
+from rspc_jax.tools import allocator
 
 _VERBOSE = flags.DEFINE_bool(
     "verbose", False, "On a reported error (bad config, missing file, ...) print the traceback too."
+)
+_MALLOC = flags.DEFINE_enum(
+    "malloc",
+    "tcmalloc",
+    ["tcmalloc", "system"],
+    "Memory allocator: 'tcmalloc' restarts the tool once with the system's tcmalloc preloaded "
+    "where it is installed (faster steps on CPU, docs/speed.md); 'system' keeps the C library's.",
 )
 
 
@@ -102,9 +110,12 @@ def _hide_orbax_leftovers() -> None:
 def run(main: Callable[[list[str]], None]) -> None:
     """`app.run(main)` for the package's tools: a ReportedError (bad input, missing data,
     a diverged run) prints its message as one paragraph and exits with status 1; --verbose
-    adds the traceback. Other exceptions are internal errors and keep theirs."""
+    adds the traceback. Other exceptions are internal errors and keep theirs. First, with
+    --malloc=tcmalloc, the tool restarts with tcmalloc if the system has it (tools.allocator)."""
 
     def reported(argv):
+        if _MALLOC.value == "tcmalloc":
+            allocator.reexecute_with_tcmalloc()
         if not _VERBOSE.value:
             _hide_orbax_leftovers()
         try:
@@ -199,6 +210,7 @@ def start(argv, config=None, libraries: str = "error"):
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.INFO)
         logging.get_absl_handler().addFilter(_OursOrAtLeast(libraries))
+    logging.info("Memory allocator: %s.", allocator.describe())
     if config is not None:
         parallel.maybe_initialize_distributed(config.distributed)
     return config
