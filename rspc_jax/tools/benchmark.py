@@ -14,7 +14,7 @@ import numpy as np
 
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
-from rspc_jax.tools import profiling, timing
+from rspc_jax.tools import allocator, profiling, timing
 from rspc_jax.training import ablations, host_memory, setup
 
 # Dense peak FLOP/s per JAX device by device kind: (bfloat16, float32). float32 on NVIDIA
@@ -188,6 +188,8 @@ def print_table(
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, {steps} timed "
         + (f"calls of {config.steps_per_call} steps" if config.steps_per_call > 1 else "steps")
     )
+    if jax.default_backend() == "cpu":  # where the allocator decides the step time
+        print(f"memory allocator: {allocator.describe()}")
     first = next(iter(results))
     print(
         f"{'step':<20} {'compile s':>10} {'median step s':>14} {'images/s':>10} "
@@ -360,7 +362,7 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
             for name, r in results.items()
             if r.get("steps_per_call", 1) > 1
         )
-        + ":"
+        + " (the reference processes start with our environment, the allocator included):"
     )
     print(
         f"{'step':<24} {'median step s':>14} {'x reference':>12} {'reference':<16} "
