@@ -195,8 +195,9 @@ def get_default_config() -> ml_collections.ConfigDict:
     # Train steps per compiled call between log, eval and checkpoint steps (one lax.scan
     # over that many batches; those steps themselves run alone). One dispatch per call, and
     # on CPU XLA maps the step's temporaries afresh once per call instead of once per step:
-    # 4 makes steps 14-21% faster on 2 CPU cores (docs/speed.md). A stop request (SIGTERM,
-    # should_stop) is seen at the end of a call. 1 = one step per call.
+    # 4 makes steps 14-21% faster on 2 CPU cores with glibc's allocator, none with tcmalloc
+    # (tools/allocator.py; docs/speed.md). A stop request (SIGTERM, should_stop) is seen at
+    # the end of a call. 1 = one step per call.
     c.steps_per_call = 1
     c.distributed = "auto"  # jax.distributed.initialize: 'auto' | 'yes' | 'no'
     return c
