@@ -1,6 +1,7 @@
 """The train step and loop: ascent/descent signs, resume, errors, the demo end to end."""
 
 import contextlib
+import ctypes
 import functools
 import logging
 import os
@@ -17,6 +18,7 @@ import pytest
 from rspc_jax import parallel, rspc
 from rspc_jax.data import specs as datasets
 from rspc_jax.models import ops
+from rspc_jax.tools import allocator
 from rspc_jax.training import host_memory, mixup, setup
 from rspc_jax.training import loop as train
 from rspc_jax.training import step as train_step_lib
@@ -315,14 +317,9 @@ def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
     assert events[-1] == "release"  # after the last step's evaluation compiled the eval steps
 
 
-def test_released_memory_leaves_the_process():
-    """glibc keeps 250 MiB that a thread freed mapped; the release returns it to the OS."""
-    script = """
-import ctypes, threading
+_RELEASE_SCRIPT = """
+import threading
 from rspc_jax.training import host_memory
-
-if not hasattr(ctypes.CDLL(None), "malloc_trim"):
-    raise SystemExit("skip: the C library has no malloc_trim (not glibc)")
 
 def rss_mib():
     for line in open("/proc/self/status"):
@@ -332,9 +329,7 @@ def rss_mib():
 kept = []
 
 def churn():
-    blocks = [bytearray(64 * 1024) for _ in range(4000)]
-    kept.append(blocks[-1])  # holds the freed blocks below it off the arena's top
-    blocks.clear()
+{churn}
 
 thread = threading.Thread(target=churn)
 thread.start()
@@ -343,46 +338,31 @@ before = rss_mib()
 host_memory.release_freed_memory()
 print(before, rss_mib())
 """
-    result = run_python(["-c", script], timeout=120)
-    if result.stderr.startswith("skip:"):
-        pytest.skip(result.stderr.strip())
+# What each allocator keeps after a thread frees it: glibc the 64 KiB blocks under one still
+# in use (off its arena's top), tcmalloc a 300 MiB block (zeroed, so every page is touched).
+_CHURN = {
+    "glibc": """    blocks = [bytearray(64 * 1024) for _ in range(4000)]
+    kept.append(blocks[-1])
+    blocks.clear()""",
+    "tcmalloc": """    block = bytearray(300 * 2**20)
+    del block""",
+}
+
+
+@pytest.mark.parametrize("kind", ["glibc", "tcmalloc"])
+def test_released_memory_leaves_the_process(kind):
+    """The allocator keeps 250+ MiB that a thread freed; the release returns it to the OS
+    (glibc's malloc_trim, or tcmalloc's, which the tools preload where installed)."""
+    preload = allocator.find_tcmalloc() if kind == "tcmalloc" else ""
+    if preload is None:
+        pytest.skip("this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    if kind == "glibc" and not hasattr(ctypes.CDLL(None), "malloc_trim"):
+        pytest.skip("the C library has no malloc_trim (not glibc)")
+    script = _RELEASE_SCRIPT.format(churn=_CHURN[kind])
+    result = run_python(["-c", script], timeout=120, env_extra={"LD_PRELOAD": preload})
     assert result.returncode == 0, result.stderr[-2000:]
     before, after = map(int, result.stdout.split())
     assert before - after > 200, (before, after)
-
-
-def test_released_memory_leaves_a_process_with_tcmalloc():
-    """tcmalloc (preloaded by the tools where installed) keeps a freed 300 MiB block in its
-    page heap; the release returns it to the OS."""
-    from rspc_jax.tools import allocator
-
-    library = allocator.find_tcmalloc()
-    if library is None:
-        pytest.skip("this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
-    script = """
-import threading
-from rspc_jax.training import host_memory
-
-def rss_mib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) // 1024
-
-def churn():
-    block = bytearray(300 * 2**20)  # zeroed, so every page is touched
-    del block
-
-thread = threading.Thread(target=churn)
-thread.start()
-thread.join()
-before = rss_mib()
-host_memory.release_freed_memory()
-print(before, rss_mib())
-"""
-    result = run_python(["-c", script], timeout=120, env_extra={"LD_PRELOAD": library})
-    assert result.returncode == 0, result.stderr[-2000:]
-    before, after = map(int, result.stdout.split())
-    assert before - after > 250, (before, after)
 
 
 def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_no_value(
