@@ -64,6 +64,13 @@ def test_malloc_system_keeps_the_c_librarys_allocator(tmp_path):
     assert result["tcmalloc"] is None
 
 
+def test_an_allocator_the_user_preloaded_is_kept(tmp_path):
+    # The name is what counts: libm stands in for the user's jemalloc again.
+    result = _run_tool(tmp_path, "libm.so.6", env_extra={"LD_PRELOAD": "/opt/libjemalloc.so.2"})
+    assert result["preload"] == "/opt/libjemalloc.so.2"
+    assert result["described"] == "the preloaded /opt/libjemalloc.so.2"
+
+
 def test_a_process_that_has_tcmalloc_already_is_not_restarted(tmp_path):
     library = allocator.find_tcmalloc()
     if library is None:

@@ -56,11 +56,22 @@ def preload_environment(environ: dict, library: str) -> dict:
     }
 
 
+def _users_allocator() -> str | None:
+    """An allocator the user preloaded (jemalloc, mimalloc, ...): theirs to keep."""
+    for library in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
+        name = os.path.basename(library)
+        if "malloc" in name and not name.startswith("libtcmalloc"):
+            return library
+    return None
+
+
 def describe() -> str:
     """One line naming this process's allocator, for logs and benchmark headers."""
     library = loaded_tcmalloc()
     if library:
         return f"tcmalloc ({library})"
+    if _users_allocator():
+        return f"the preloaded {_users_allocator()}"
     if os.environ.get(_TRIED):
         return f"the C library's ({os.environ[_TRIED]} could not be preloaded)"
     if find_tcmalloc():
@@ -72,8 +83,11 @@ def describe() -> str:
 
 def reexecute_with_tcmalloc() -> None:
     """Replaces this process by the same command with tcmalloc preloaded, when the system
-    has tcmalloc and this process neither has it nor has tried it. Returns otherwise."""
-    if not sys.platform.startswith("linux") or loaded_tcmalloc() or os.environ.get(_TRIED):
+    has tcmalloc and this process neither has it, nor has tried it, nor has another allocator
+    preloaded. Returns otherwise."""
+    if not sys.platform.startswith("linux") or os.environ.get(_TRIED):
+        return
+    if loaded_tcmalloc() or _users_allocator():
         return
     library = find_tcmalloc()
     if library is None:
