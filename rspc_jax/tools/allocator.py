@@ -70,8 +70,9 @@ def describe() -> str:
     library = loaded_tcmalloc()
     if library:
         return f"tcmalloc ({library})"
-    if _users_allocator():
-        return f"the preloaded {_users_allocator()}"
+    users = _users_allocator()
+    if users:
+        return f"the preloaded {users}"
     if os.environ.get(_TRIED):
         return f"the C library's ({os.environ[_TRIED]} could not be preloaded)"
     if find_tcmalloc():
