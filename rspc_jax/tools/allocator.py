@@ -12,6 +12,7 @@ Fedora: gperftools-libs). Without it, or with `--malloc=system`, nothing changes
 """
 
 import ctypes.util
+import functools
 import os
 import sys
 
@@ -36,6 +37,7 @@ def loaded_tcmalloc() -> str | None:
     return None
 
 
+@functools.cache  # each lookup runs ldconfig; start-up and the benchmark header ask again
 def find_tcmalloc() -> str | None:
     """The system's tcmalloc shared library (a name the dynamic loader resolves), if any."""
     for name in _LIBRARIES:

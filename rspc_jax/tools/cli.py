@@ -1,7 +1,7 @@
-"""What the command-line tools share: `run` (flag parsing, the allocator, one-paragraph errors), `start`
-(logging, jax.distributed), and the flags that name the weights the checkpoint-reading
-tools (evaluate, analyze, study) read. Light on purpose: nothing here imports JAX or
-TensorFlow, so bad flags and configs fail in a second."""
+"""What the command-line tools share: `run` (flag parsing, the allocator, one-paragraph
+errors), `start` (logging, jax.distributed), and the flags that name the weights the
+checkpoint-reading tools (evaluate, analyze, study) read. Light on purpose: nothing here
+imports JAX or TensorFlow, so bad flags and configs fail in a second."""
 
 import ast
 from collections.abc import Callable
