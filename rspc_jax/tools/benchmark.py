@@ -126,12 +126,14 @@ def time_step(
     state, batches, compiled, compile_sec, flops = compile_step(config, spec, batch)
     host_memory.release_freed_memory()  # as the training loop does before its first step
     per_call = config.steps_per_call
+    temp_bytes = host_memory.host_temporary_bytes(compiled)
 
     def call():
-        """One call, blocked; the state carries over to the next."""
+        """One call, blocked as the training loop's on CPU; the state carries over."""
         nonlocal state
-        state, metrics = compiled(state, batches)
-        jax.block_until_ready(metrics)
+        with host_memory.temporaries_returned(temp_bytes):
+            state, metrics = compiled(state, batches)
+            jax.block_until_ready(metrics)
 
     def time_steps(count: int) -> tuple[list[float], float]:
         """Seconds per step of each of `count` calls, and the cores they kept busy."""

@@ -280,13 +280,17 @@ def train_and_evaluate(
     step = start_step
     final = run_eval(step) if step >= total_steps else {}
     try:
+        temp_bytes = 0  # the largest step program's temporaries
         if step < total_steps:
             # Compiled before the first step runs (which then finds it cached), so that the
             # compiler's freed memory is returned before the step's buffers are allocated.
             first_batch = next(train_batches)
-            train_step.lower(state, first_batch).compile()
+            programs = [train_step.lower(state, first_batch).compile()]
             if train_steps is not None:
-                train_steps.lower(state, (first_batch,) * config.steps_per_call).compile()
+                in_sequence = (first_batch,) * config.steps_per_call
+                programs.append(train_steps.lower(state, in_sequence).compile())
+            temp_bytes = max(map(host_memory.host_temporary_bytes, programs))
+            del programs
             host_memory.release_freed_memory()
             train_batches = itertools.chain([first_batch], train_batches)
         with stop.installed():
@@ -304,14 +308,15 @@ def train_and_evaluate(
                 last = step == total_steps
                 log_step = step % config.log_every_steps == 0 or last
                 with jax.transfer_guard(config.transfer_guard if steady else "allow"):
-                    if count > 1:
-                        batches = tuple(next(train_batches) for _ in range(count))
-                        state, step_metrics = train_steps(state, batches)
-                    else:
-                        state, step_metrics = train_step(state, next(train_batches))
-                    pending.append(step_metrics)
-                    if block:  # queued collectives deadlock on few-core CPUs
-                        jax.block_until_ready(step_metrics)
+                    with host_memory.temporaries_returned(temp_bytes if block else 0):
+                        if count > 1:
+                            batches = tuple(next(train_batches) for _ in range(count))
+                            state, step_metrics = train_steps(state, batches)
+                        else:
+                            state, step_metrics = train_step(state, next(train_batches))
+                        pending.append(step_metrics)
+                        if block:  # queued collectives deadlock on few-core CPUs
+                            jax.block_until_ready(step_metrics)
                     requested = stop(step) or (should_stop is not None and should_stop(step))
                     stopping = _agree(requested) if log_step or jax.process_count() == 1 else False
                 save = last or stopping or step % config.checkpoint_every_steps == 0
