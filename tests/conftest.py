@@ -444,6 +444,16 @@ def first_batches(config, count: int = 1) -> list:
     return [next(iterator) for _ in range(count)]
 
 
+def system_tcmalloc() -> str:
+    """The system's tcmalloc library; skips the test where it is not installed."""
+    from rspc_jax.tools import allocator
+
+    library = allocator.find_tcmalloc()
+    if library is None:
+        pytest.skip("this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    return library
+
+
 def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cwd=REPO):
     """Runs `python args...` in a fresh process (XLA_FLAGS must be set before JAX starts)."""
     env = dict(os.environ)

@@ -3,10 +3,8 @@
 
 import json
 
-import pytest
-
 from rspc_jax.tools import allocator
-from tests.conftest import run_python
+from tests.conftest import run_python, system_tcmalloc
 
 # A tool built like the package's: cli.run parses the flags, main calls cli.start. It reports
 # what the process it ended up in has. `LIBRARY` stands in for the system's tcmalloc.
@@ -72,12 +70,7 @@ def test_an_allocator_the_user_preloaded_is_kept(tmp_path):
 
 
 def test_a_process_that_has_tcmalloc_already_is_not_restarted(tmp_path):
-    library = allocator.find_tcmalloc()
-    if library is None:
-        pytest.skip(
-            "this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4), so "
-            "no process can start with it"
-        )
+    library = system_tcmalloc()
     result = _run_tool(tmp_path, None, env_extra={"LD_PRELOAD": library})
     assert "libtcmalloc" in result["tcmalloc"]
     assert result["preload"] == library  # not prepended a second time
@@ -85,8 +78,7 @@ def test_a_process_that_has_tcmalloc_already_is_not_restarted(tmp_path):
 
 
 def test_the_system_tcmalloc_is_preloaded_where_installed(tmp_path):
-    if allocator.find_tcmalloc() is None:
-        pytest.skip("this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    system_tcmalloc()
     result = _run_tool(tmp_path, None)
     assert "libtcmalloc" in result["tcmalloc"]
     assert result["described"].startswith("tcmalloc")

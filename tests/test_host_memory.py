@@ -7,9 +7,8 @@ import time
 
 import pytest
 
-from rspc_jax.tools import allocator
 from rspc_jax.training import host_memory
-from tests.conftest import run_python
+from tests.conftest import run_python, system_tcmalloc
 
 _MIB = 2**20
 
@@ -100,9 +99,7 @@ _CHURN = {
 def test_released_memory_leaves_the_process(kind):
     """The allocator keeps 250+ MiB that a thread freed; the release returns it to the OS
     (glibc's malloc_trim, or tcmalloc's, which the tools preload where installed)."""
-    preload = allocator.find_tcmalloc() if kind == "tcmalloc" else ""
-    if preload is None:
-        pytest.skip("this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    preload = system_tcmalloc() if kind == "tcmalloc" else ""
     if kind == "glibc" and not hasattr(ctypes.CDLL(None), "malloc_trim"):
         pytest.skip("the C library has no malloc_trim (not glibc)")
     script = _RELEASE_SCRIPT.format(churn=_CHURN[kind])
@@ -140,9 +137,7 @@ def test_with_tcmalloc_each_call_gives_its_temporaries_back_before_the_next():
     """A gradient with 288 MiB of temporaries, called 10 times in a process with tcmalloc:
     after each wait at most half of them are still out (XLA:CPU frees them on its own
     thread after the outputs are ready)."""
-    library = allocator.find_tcmalloc()
-    if library is None:
-        pytest.skip("this system has no tcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+    library = system_tcmalloc()
     result = run_python(["-c", _RETURNED_SCRIPT], timeout=300, env_extra={"LD_PRELOAD": library})
     assert result.returncode == 0, result.stderr[-2000:]
     temp_bytes, excess = map(int, result.stdout.split())
