@@ -1,23 +1,39 @@
 """Shared test fixtures: the reference fixtures' location, the fixture cases and the flax
 models their official constructors describe, a prepared digits data dir."""
 
+import atexit
 import dataclasses
 import importlib.util
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The suite is dominated by XLA compilation of tiny models: LLVM's backend optimisations
-# cost more time than they save here (set before JAX starts; subprocesses get them too).
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# cost more time than they save here, and XLA:CPU's older loop emitters compile these steps
+# with 40% less CPU time than its MLIR fusion emitters (docs/testing.md, "Time"); set before
+# JAX starts, subprocesses get them too.
+FAST_COMPILE = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_cpu_use_fusion_emitters=false"
+)
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# Many tests (and their subprocesses) compile the same small programs again: one persistent
+# compilation cache for the whole run lets them load what another test compiled. It is made by
+# the first process that imports this file (pytest-xdist's controller, whose workers and
+# subprocesses inherit the variable) and removed when that process exits.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="rspc_jax_test_xla_cache_")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 # The reference fixtures (docs/testing.md, "Reference fixtures and skips"): by default
 # ../shared/reference/fixtures next to the repository; the environment variable
 # RSPC_JAX_FIXTURES names another folder (e.g. a nonexistent one, to check that every parity
@@ -463,6 +479,26 @@ def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cw
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=env, timeout=timeout, capture_output=True, text=True
     )
+
+
+_WITHOUT_TENSORFLOW = """
+import runpy, sys
+
+class NoTensorFlow:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("tensorflow", "tensorflow_datasets"):
+            raise ImportError(f"{name} is blocked by the test")
+
+sys.meta_path.insert(0, NoTensorFlow())
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_module_without_tensorflow(module: str, args, **kwargs):
+    """run_python of `python -m module args...` with TensorFlow and tfds made unimportable:
+    tools that need no real data must not pay TF's 0.6 GB of host memory."""
+    return run_python(["-c", _WITHOUT_TENSORFLOW, module, *args], **kwargs)
 
 
 def on_each_train_call(monkeypatch, hook):

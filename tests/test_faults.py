@@ -142,11 +142,13 @@ def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_
     for step in saved:
         _, state, _ = checkpoints.read_saved_state(str(workdir / "checkpoints"), step)
         assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state))
-    # The last checkpoint is step 2 of the same run without the bad step.
+    # The last checkpoint is step 2 of the same run without the bad step: up to float32
+    # rounding, since the poisoned optimizer's extra select is another program, which XLA may
+    # fuse differently (one step's update moves these parameters by far more than 1e-5).
     _, last, _ = checkpoints.read_saved_state(str(workdir / "checkpoints"), 2)
     _, reference, _ = checkpoints.read_saved_state(str(base / "checkpoints"), 2)
     for a, b in zip(jax.tree.leaves(last["params"]), jax.tree.leaves(reference["params"])):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=0)
 
 
 def _failing_writes(step: int):

@@ -9,7 +9,7 @@ import pytest
 
 from rspc_jax import ConfigError
 from rspc_jax.tools import memory_plan
-from tests.conftest import run_python, smoke_config
+from tests.conftest import run_module_without_tensorflow, run_python, smoke_config
 
 GiB = memory_plan.GiB
 
@@ -131,13 +131,15 @@ def test_unknown_slice_is_a_config_error_before_anything_compiles(tmp_path):
         memory_plan.print_plan(smoke_config(str(tmp_path)), ["plain"], "v4-8", 1.5, estimate)
 
 
-def test_cli_memory_prints_the_plan_and_refuses_an_unknown_slice():
-    args = ["-m", "rspc_jax.benchmark", "--config=configs/demo.py:smoke", "--memory"]
-    bad = run_python([*args, "--slices=v4-8,tpu9"], timeout=120)
+def test_cli_memory_prints_the_plan_without_tensorflow_and_refuses_an_unknown_slice():
+    args = ["--config=configs/demo.py:smoke", "--memory"]
+    bad = run_python(["-m", "rspc_jax.benchmark", *args, "--slices=v4-8,tpu9"], timeout=120)
     message = " ".join(bad.stderr.split())
     assert bad.returncode == 1 and "Traceback" not in message
     assert re.search(r"error: unknown slice 'tpu9'; .* v5e-8 \(8 x 16 GiB\)", message)
-    result = run_python([*args, "--variants=plain", "--slices=v4-8"], timeout=300)
+    result = run_module_without_tensorflow(
+        "rspc_jax.benchmark", [*args, "--variants=plain", "--slices=v4-8"], timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(
         r"^v4-8\s+4\s+32\s+plain\s+(off|on)\s+(\d+)\s+(\d+\.\d+)\s+16\s+(\d+)\s+(\d+)$",
