@@ -1,5 +1,8 @@
 """One real RSPC train step per model family at smoke size, and the memory/speed options
-(`remat`, bfloat16 compute) against the default path through that same step."""
+(`remat`, bfloat16 compute) and the suite's compile flags against the default path through
+that same step."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +12,7 @@ import pytest
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.training import setup
-from tests.conftest import first_batches, smoke_config
+from tests.conftest import first_batches, run_python, smoke_config
 
 # Tiny members of each family that run on the 32x32 digits (no PAAS: it needs 224 px).
 FAMILIES = {
@@ -160,3 +163,45 @@ def test_patch_aug_official_moves_only_batchnorm_statistics_intended_adds_gradie
     # Intended: the clean-batch loss is the same, the gradient is the sum of both passes.
     np.testing.assert_allclose(intended_m["loss"], off_m["loss"], rtol=1e-6)
     assert not np.isclose(intended_m["grad_norm"], off_m["grad_norm"], rtol=1e-3)
+
+
+_TWO_STEPS = """
+import importlib.util, json, sys
+import jax, numpy as np
+from rspc_jax import parallel
+from rspc_jax.data import specs as datasets
+from rspc_jax.training import setup
+spec = importlib.util.spec_from_file_location("demo_config", "configs/demo.py")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+config = module.get_config("smoke")
+config.data_dir = sys.argv[1]
+data = datasets.dataset_spec(config.dataset)
+mesh = parallel.create_mesh()
+parts = setup.build(config, setup.build_model(config, data.num_classes), data, mesh,
+                    steps_per_epoch=10, total_steps=20)
+state = parts.init(jax.random.PRNGKey(0))
+rng = np.random.default_rng(0)
+shape = (config.batch_size, config.image_size, config.image_size, 3)
+batch = {"image": rng.standard_normal(shape).astype(np.float32),
+         "label": rng.integers(0, data.num_classes, config.batch_size).astype(np.int32)}
+for _ in range(2):
+    state, metrics = parts.train_step(state, parallel.to_global(batch, mesh))
+print(json.dumps({k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}))
+"""
+
+
+def test_the_suites_compile_flags_change_no_result_of_the_rspc_step(digits_data_dir):
+    """The suite compiles with conftest.FAST_COMPILE (no LLVM optimisation, XLA:CPU's older
+    loop emitters); users' runs compile with XLA's defaults. Two RSPC steps of the demo's
+    smoke config give the same metrics both ways, up to float32 rounding."""
+    runs = [
+        run_python(["-c", _TWO_STEPS, digits_data_dir], env_extra=env, timeout=300)
+        for env in (None, {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    ]
+    for result in runs:
+        assert result.returncode == 0, result.stderr[-3000:]
+    suite, default = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert suite.keys() == default.keys() and set(COMPARED) <= suite.keys()
+    for key in COMPARED:
+        np.testing.assert_allclose(suite[key], default[key], rtol=1e-5, err_msg=key)
