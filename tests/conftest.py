@@ -19,7 +19,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The suite is dominated by XLA compilation of tiny models: LLVM's backend optimisations
 # cost more time than they save here, and XLA:CPU's older loop emitters compile these steps
-# with 40% less CPU time than its MLIR fusion emitters (docs/testing.md, "Time"); set before
+# with 40% less CPU time than its MLIR fusion emitters (docs/testing.md, "How the tests run JAX"); set before
 # JAX starts, subprocesses get them too.
 FAST_COMPILE = (
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"

@@ -109,7 +109,6 @@ def test_timm_step_refuses_a_device_torch_cannot_use():
     assert "pass --device=cpu" in result.stderr
 
 
-# Runs a module as `python -m` would, in a process where TensorFlow cannot be imported.
 def test_timing_a_step_never_loads_tensorflow():
     """TF holds 0.6 GB of host memory; the step-only tools must not pay it (data is random;
     the memory planner is checked the same way in test_memory_plan)."""
