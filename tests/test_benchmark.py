@@ -233,6 +233,67 @@ ENTRY %main (x: f32[4]) -> f32[4] {
     assert [r["name"] for r in profiling.sum_ops(cpu, hlo, steps=1)] == ["loop_add_fusion.3"]
 
 
+def test_op_time_by_layer_and_rspcs_time_beyond_twice_plain():
+    """Ops are summed by the layer their op_name metadata names (forward or backward, block
+    indices folded; optimizer ops outside the model), and RSPC's excess is its time beyond
+    twice the plain step's per layer."""
+    assert (
+        profiling.scope_of(
+            "jit(_per_device_train_step)/transpose(jvp(RVT))/transformers_0/blocks_3/mlp/"
+            "dwconv/reduce_sum"
+        )
+        == "backward RVT/transformers_0/blocks_*/mlp/dwconv"
+    )
+    assert (
+        profiling.scope_of("jit(_per_device_train_step)/jvp(ViT)/blocks_11/attn/qkv/dot_general")
+        == "forward ViT/blocks_*/attn/qkv"
+    )
+    assert (
+        profiling.scope_of("jit(_per_device_train_step)/transpose(jvp())/split")
+        == "backward (model input)"
+    )
+    assert (
+        profiling.scope_of("jit(_per_device_train_step)/jvp(vmap(jit(_uniform)))/add")
+        == "forward vmap(jit(_uniform))"
+    )
+    assert profiling.scope_of("jit(_per_device_train_step)/add") == "outside the model: add"
+
+    def op(name, op_name):
+        return f'  %{name} = f32[4]{{0}} add(%x, %x), metadata={{op_name="{op_name}"}}'
+
+    hlo = "\n".join(
+        [
+            "ENTRY %main (x: f32[4]) -> f32[4] {",
+            "  %x = f32[4]{0} parameter(0)",
+            op("add.1", "jit(f)/jvp(ViT)/blocks_0/mlp/fc1/dot_general"),
+            op("add.2", "jit(f)/jvp(ViT)/blocks_1/mlp/fc1/add"),
+            op("add.3", "jit(f)/transpose(jvp(ViT))/blocks_0/mlp/fc1/dot_general"),
+            "  ROOT %add.4 = f32[4]{0} add(%x, %x)",
+            "}",
+        ]
+    )
+
+    def rows(**ms):
+        return [
+            dict(name=name.replace("_", "."), ms_per_step=t, calls_per_step=1.0)
+            for name, t in ms.items()
+        ]
+
+    plain = profiling.by_scope(rows(add_1=1.0, add_2=2.0, add_3=4.0, add_4=0.5), hlo)
+    assert plain == {
+        "forward ViT/blocks_*/mlp/fc1": dict(ms_per_step=3.0, calls=2.0),
+        "backward ViT/blocks_*/mlp/fc1": dict(ms_per_step=4.0, calls=1.0),
+        "outside the model: ?": dict(ms_per_step=0.5, calls=1.0),
+    }
+    rspc = profiling.by_scope(rows(add_1=2.0, add_2=4.0, add_3=11.0, add_4=0.5), hlo)
+    beyond = profiling.excess(rspc, plain, 2.0)
+    assert [(r["scope"], r["excess_ms"]) for r in beyond] == [
+        ("backward ViT/blocks_*/mlp/fc1", 3.0),
+        ("forward ViT/blocks_*/mlp/fc1", 0.0),
+        ("outside the model: ?", -0.5),
+    ]
+
+
 def test_describe_ops_reads_fusions_and_plain_instructions():
     hlo = """HloModule m
 

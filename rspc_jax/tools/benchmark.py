@@ -118,7 +118,8 @@ def time_step(
     config, spec, batch, steps: int, profile_dir: str = "", keep_timer: bool = False
 ) -> dict:
     """Compiles (ahead of time) and times `steps` train steps of `config` on `batch`; with
-    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops'); with
+    `profile_dir`, then traces 2 more steps there and adds the top ops ('top_ops') and their
+    time by model layer ('scopes'); with
     `keep_timer`, adds 'time_steps' (n -> seconds of n more steps, and cores busy), which
     keeps the compiled step and its state alive for later rounds. With
     config.steps_per_call > 1 each timed call runs that many steps, and the times are per
@@ -143,13 +144,14 @@ def time_step(
     call()  # warm-up: first-run allocations
     times, cores_busy = time_steps(steps)
     median = statistics.median(times)
-    top = None
+    top = scopes = None
     if profile_dir:
         trace_file = profiling.trace(call, 2, profile_dir)
         hlo = compiled.as_text()
         with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:
             f.write(hlo)  # the optimised HLO the trace's op names refer to
         top = profiling.top_ops(trace_file, hlo, steps=2 * per_call, count=None)
+        scopes = profiling.by_scope(top, hlo)
     peak = peak_flops(jax.devices()[0].device_kind, config.compute_dtype or "float32")
     stats = jax.devices()[0].memory_stats() or {}
     return dict(
@@ -161,6 +163,7 @@ def time_step(
         step_bytes=compiled_bytes(compiled),
         peak_bytes=stats.get("peak_bytes_in_use"),
         top_ops=top,
+        scopes=scopes,
         cores_busy=cores_busy,
         steps_per_call=per_call,
         **({"time_steps": time_steps} if keep_timer else {}),
@@ -222,6 +225,12 @@ def print_table(
         if r["top_ops"]:
             profiling.print_top_ops(f"{name}, by kind", profiling.by_kind(r["top_ops"]))
             profiling.print_top_ops(name, r["top_ops"][:10])
+    if {"plain", "rspc"} <= set(results) and results["rspc"]["scopes"]:
+        profiling.print_excess(
+            "rspc against plain",
+            profiling.excess(results["rspc"]["scopes"], results["plain"]["scopes"], 2.0),
+            2.0,
+        )
     return results
 
 

@@ -1,8 +1,11 @@
 """Where a compiled step spends its time: a `jax.profiler` trace of a few steps, read back
-with `jax.profiler.ProfileData`, summed per XLA op (thunk) and described by its HLO.
+with `jax.profiler.ProfileData`, summed per XLA op (thunk) and described by its HLO, or by
+the model layer it belongs to (`by_scope`).
 
 Used by `python -m rspc_jax.benchmark --profile_dir=DIR`, which prints the top ops of
-every variant; the trace stays in DIR for TensorBoard's profile plugin or Perfetto.
+every variant and, with plain and RSPC both profiled, the layers where RSPC's step takes
+more than twice the plain step's time (`excess`); the trace stays in DIR for TensorBoard's
+profile plugin or Perfetto.
 """
 
 import collections
@@ -19,6 +22,9 @@ _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _DEDUPLICATED = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*deduplicated_name=\"([\w.\-]+)\"", re.M
 )
+_OP_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", re.M)
+_STEP_JIT = re.compile(r"^jit\([^()]*\)/")
+_BLOCK_INDEX = re.compile(r"^(blocks?)_\d+$")
 
 
 def trace(run_step: Callable[[], object], steps: int, directory: str) -> str:
@@ -128,6 +134,72 @@ def by_kind(rows: list[dict], count: int = 10) -> list[dict]:
             kind[key] += r[key]
     ranked = sorted(kinds.values(), key=lambda k: -k["ms_per_step"])[:count]
     return [dict(k, what=k["name"]) for k in ranked]
+
+
+def scope_of(op_name: str) -> str:
+    """The model layer an HLO instruction computes, from its op_name metadata: 'forward' or
+    'backward' of the layer path with block indices folded (`RVT/transformers_0/blocks_*/
+    mlp/dwconv`), or the op outside the model's autodiff (optimizer, EMA, checks, input)."""
+    name = _STEP_JIT.sub("", op_name, count=1)
+    for direction, prefix in (("backward", "transpose(jvp("), ("forward", "jvp(")):
+        if name.startswith(prefix):
+            inner, rest = _wrapped(name, len(prefix))
+            rest = rest.removeprefix(")" * (prefix.count("(") - 1)).removeprefix("/")
+            path = rest.split("/")[:-1]  # the last part is the primitive
+            path = [_BLOCK_INDEX.sub(r"\1_*", part) for part in path]
+            return f"{direction} {'/'.join([inner or '(model input)'] + path)}"
+    return f"outside the model: {name.split('/')[0]}"
+
+
+def _wrapped(text: str, start: int) -> tuple[str, str]:
+    """(what stands inside the parenthesis opened just before `start`, what follows it)."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start:i], text[i + 1 :]
+    return text[start:], ""
+
+
+def by_scope(rows: list[dict], hlo_text: str) -> dict[str, dict]:
+    """`top_ops(..., count=None)` rows summed by `scope_of` their instruction (ms and calls
+    per step); instructions without metadata count as 'outside the model: ?'."""
+    scopes = {name: scope_of(op_name) for name, op_name in _OP_NAME.findall(hlo_text)}
+    totals: dict[str, dict] = {}
+    for r in rows:
+        total = totals.setdefault(
+            scopes.get(r["name"], "outside the model: ?"), dict(ms_per_step=0.0, calls=0.0)
+        )
+        total["ms_per_step"] += r["ms_per_step"]
+        total["calls"] += r["calls_per_step"]
+    return totals
+
+
+def excess(scopes: dict[str, dict], baseline: dict[str, dict], factor: float) -> list[dict]:
+    """Per scope, the op time beyond `factor` times the baseline's (RSPC's step against twice
+    the plain one's: RSPC puts twice the images through the model), largest first."""
+    rows = [
+        dict(
+            scope=scope,
+            baseline_ms=baseline.get(scope, {}).get("ms_per_step", 0.0),
+            ms=scopes.get(scope, {}).get("ms_per_step", 0.0),
+        )
+        for scope in set(scopes) | set(baseline)
+    ]
+    for r in rows:
+        r["excess_ms"] = r["ms"] - factor * r["baseline_ms"]
+    return sorted(rows, key=lambda r: (-r["excess_ms"], r["scope"]))
+
+
+def print_excess(title: str, rows: list[dict], factor: float, count: int = 10) -> None:
+    total, baseline = sum(r["ms"] for r in rows), sum(r["baseline_ms"] for r in rows)
+    print(
+        f"\n{title}: op time beyond {factor:g}x by layer (time summed over threads, per step; "
+        f"all ops {total:.1f} against {factor:g} x {baseline:.1f} ms)"
+    )
+    print(f"{'beyond ms':>10} {'baseline ms':>12} {'ms':>9}  layer")
+    for r in rows[:count]:
+        print(f"{r['excess_ms']:>10.1f} {r['baseline_ms']:>12.1f} {r['ms']:>9.1f}  {r['scope']}")
 
 
 def print_top_ops(title: str, rows: list[dict]) -> None:
