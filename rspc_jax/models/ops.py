@@ -156,12 +156,18 @@ def _broadcast_summed_pairwise_fwd(x, batch):
 
 
 def _broadcast_summed_pairwise_bwd(batch, residuals, grad):
-    total = grad.astype(jnp.float32)
-    while total.shape[0] > 1:
-        half = total.shape[0] // 2
-        pairs = total[:half] + total[half : 2 * half]
-        total = jnp.concatenate([pairs, total[2 * half :]]) if total.shape[0] % 2 else pairs
-    return (total[0].astype(grad.dtype),)
+    return (_sum_of_halves(grad.astype(jnp.float32)).astype(grad.dtype),)
+
+
+def _sum_of_halves(x: jax.Array) -> jax.Array:
+    """The sum over the leading axis as pairwise sums of halves (an odd leftover carried to
+    the next level): elementwise adds, which XLA:CPU fuses with the ops that produce `x`
+    and runs far faster than its reduction over a leading axis."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        pairs = x[:half] + x[half : 2 * half]
+        x = jnp.concatenate([pairs, x[2 * half :]]) if x.shape[0] % 2 else pairs
+    return x[0]
 
 
 _broadcast_summed_pairwise.defvjp(_broadcast_summed_pairwise_fwd, _broadcast_summed_pairwise_bwd)
@@ -336,41 +342,42 @@ def _depthwise_stride1_bwd(padding, residuals, grad):
 
 _depthwise_stride1.defvjp(_depthwise_stride1_fwd, _depthwise_stride1_bwd)
 
-# Bytes of the k*k windows that `_depthwise_kernel_grad` lets XLA:CPU hold at once.
-DEPTHWISE_WINDOW_BYTES = 128 * 2**20
-
 
 def _depthwise_kernel_grad(x: jax.Array, grad: jax.Array, size: int, padding: int):
-    """sum over (b, h, w) of window (i, j) of x times grad, for every (i, j); where the k*k
-    windows of the whole batch exceed DEPTHWISE_WINDOW_BYTES, summed over chunks of images
-    in a `lax.scan`.
+    """sum over (b, h, w) of window (i, j) of x times grad, for every (i, j): for each
+    window, the part of the unpadded x that it overlaps times the matching part of grad
+    (the padding adds zeros), summed over the images by `_sum_of_halves`, then over the
+    positions.
 
-    XLA:CPU writes each window out before reducing it and keeps them alive together: for
-    FAN-S-Hybrid's 7x7 convs at 56 x 56 x 128, 49 windows of 12.8 MB per conv at batch 8.
-    Chunked, its RSPC step (batch 8, 2 cores) fell from 7318 to 4893 MiB in XLA's estimate
-    and from 8.1-8.3 to 7.3-7.5 s (docs/speed.md, "A train step without loops, and FAN's
-    depthwise kernel gradient"). Below the limit one pass is faster: RVT-Ti*'s 3x3 convs
-    chunked made its RSPC step 4-10% slower."""
-    batch, height, width, channels = x.shape
-    windows_per_image = size * size * height * width * channels * x.dtype.itemsize
-    fitting = max(1, DEPTHWISE_WINDOW_BYTES // windows_per_image)
-    chunk = max(d for d in range(1, batch + 1) if batch % d == 0 and d <= fitting)
+    XLA:CPU fuses each window's slices, product and batch sum into one loop, so no window
+    is written out: as zero-padded windows reduced by XLA's reduction, it wrote out k*k - 1
+    windows of the whole batch first, and at RVT-Ti*'s RSPC size (16 x 14 x 14 x 768) the
+    layer's input, gradient, padded copy and windows no longer fit the L3 cache: 19.5 ms a
+    layer against 5 ms at 8 images, about half of what RSPC's step took beyond twice the
+    plain step's (docs/speed.md, "CPU: the depthwise kernel gradient without windows
+    (2026-12-01)")."""
+    _, height, width, channels = x.shape
+    out_height, out_width = grad.shape[1:3]
+    sums = []
+    for i in range(size):
+        rows = _overlap(i, padding, height, out_height)
+        for j in range(size):
+            cols = _overlap(j, padding, width, out_width)
+            x_part = x[
+                :,
+                rows[0] + i - padding : rows[1] + i - padding,
+                cols[0] + j - padding : cols[1] + j - padding,
+            ]
+            grad_part = grad[:, rows[0] : rows[1], cols[0] : cols[1]]
+            product = (x_part * grad_part).astype(jnp.float32)
+            sums.append(jnp.sum(_sum_of_halves(product).reshape(-1, channels), axis=0))
+    return jnp.stack(sums).reshape(size, size, channels).astype(x.dtype)
 
-    def kernel_grad(x, grad):
-        windows = _windows(x, size, 1, padding)
-        sums = jnp.stack([jnp.sum(w * grad, axis=(0, 1, 2)) for w in windows])
-        return sums.reshape(size, size, channels)
 
-    if chunk == batch:
-        return kernel_grad(x, grad)
-
-    def add_chunk(total, chunk_xg):
-        return total + kernel_grad(*chunk_xg), None
-
-    # The first chunk starts the sum: its type carries shard_map's varying axes, a zero would not.
-    first = kernel_grad(x[:chunk], grad[:chunk])
-    rest = tuple(t[chunk:].reshape(batch // chunk - 1, chunk, *t.shape[1:]) for t in (x, grad))
-    return jax.lax.scan(add_chunk, first, rest)[0]
+def _overlap(offset: int, padding: int, size: int, out_size: int) -> tuple[int, int]:
+    """The output positions [start, stop) whose window tap `offset` reads the unpadded input
+    (position p reads input p + offset - padding)."""
+    return max(0, padding - offset), min(out_size, size + padding - offset)
 
 
 def grouped_conv_reference(
