@@ -227,9 +227,7 @@ def print_table(
             profiling.print_top_ops(name, r["top_ops"][:10])
     if {"plain", "rspc"} <= set(results) and results["rspc"]["scopes"]:
         profiling.print_excess(
-            "rspc against plain",
-            profiling.excess(results["rspc"]["scopes"], results["plain"]["scopes"], 2.0),
-            2.0,
+            "rspc against plain", results["rspc"]["scopes"], results["plain"]["scopes"], 2.0
         )
     return results
 

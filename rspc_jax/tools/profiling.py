@@ -191,11 +191,15 @@ def excess(scopes: dict[str, dict], baseline: dict[str, dict], factor: float) ->
     return sorted(rows, key=lambda r: (-r["excess_ms"], r["scope"]))
 
 
-def print_excess(title: str, rows: list[dict], factor: float, count: int = 10) -> None:
-    total, baseline = sum(r["ms"] for r in rows), sum(r["baseline_ms"] for r in rows)
+def print_excess(
+    title: str, scopes: dict[str, dict], baseline: dict[str, dict], factor: float, count: int = 10
+) -> None:
+    """The `count` scopes with the most `excess` time, and the totals."""
+    rows = excess(scopes, baseline, factor)
+    total, base = sum(r["ms"] for r in rows), sum(r["baseline_ms"] for r in rows)
     print(
         f"\n{title}: op time beyond {factor:g}x by layer (time summed over threads, per step; "
-        f"all ops {total:.1f} against {factor:g} x {baseline:.1f} ms)"
+        f"all ops {total:.1f} against {factor:g} x {base:.1f} ms)"
     )
     print(f"{'beyond ms':>10} {'baseline ms':>12} {'ms':>9}  layer")
     for r in rows[:count]:
