@@ -257,6 +257,17 @@ def test_op_time_by_layer_and_rspcs_time_beyond_twice_plain():
         == "forward vmap(jit(_uniform))"
     )
     assert profiling.scope_of("jit(_per_device_train_step)/add") == "outside the model: add"
+    assert (
+        profiling.scope_of(
+            "jit(_per_device_train_step)/transpose(jvp(RVT))/patch_embed/proj_0/"
+            "transpose(transpose(jvp(RVT)))/patch_embed/proj_0/dot_general"
+        )
+        == "backward RVT/patch_embed/proj_0"
+    )
+    assert (
+        profiling.scope_of("jit(f)/jvp(RVT)/transformers_0/blocks_2/mlp/dwconv/jit(_pad)/pad")
+        == "forward RVT/transformers_0/blocks_*/mlp/dwconv"
+    )
 
     def op(name, op_name):
         return f'  %{name} = f32[4]{{0}} add(%x, %x), metadata={{op_name="{op_name}"}}'

@@ -59,6 +59,50 @@ def test_convolution_as_matrix_product_equals_xla_convolution(case):
     )
 
 
+@pytest.mark.parametrize("case", DENSE_CASES)
+def test_convolution_by_blocks_equals_xla_convolution(case):
+    channels, features, size, strides, padding, spatial = DENSE_CASES[case]
+    x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
+    _assert_same_values_and_gradients(
+        lambda x, k: ops.conv_space_to_depth(x, k, strides, padding),
+        lambda x, k: ops.conv_reference(x, k, strides, padding),
+        x,
+        kernel,
+    )
+
+
+IMAGE_CASES = {  # name: (in, out, kernel, strides, padding, size)
+    "rvt_stem_7x7_stride2": (3, 8, 7, 2, 2, 20),
+    "xcit_stem_3x3_stride2": (3, 4, 3, 2, 1, 9),
+    "grey_5x5_stride3_odd_size": (1, 3, 5, 3, 2, 13),
+    "two_channels_3x3_stride1": (2, 3, 3, 1, 1, 7),
+}
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES)
+def test_image_convolution_equals_xla_convolution(case):
+    """The CPU form for images: XLA's conv on 4 channels, the images' gradient by blocks."""
+    channels, features, size, strides, padding, spatial = IMAGE_CASES[case]
+    x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
+    _assert_same_values_and_gradients(
+        lambda x, k: ops.conv_image(x, k, strides, padding),
+        lambda x, k: ops.conv_reference(x, k, strides, padding),
+        x,
+        kernel,
+    )
+
+
+def test_cpu_convs_of_images_take_the_image_form_from_5x5_kernels():
+    def traced(size: int, channels: int = 3) -> str:
+        x, kernel = jnp.ones((1, 16, 16, channels)), jnp.ones((size, size, channels, 4))
+        return str(jax.make_jaxpr(jax.grad(lambda x: ops.conv(x, kernel, 2, 1).sum()))(x))
+
+    with ops.implementation("windows"):
+        assert "custom_vjp_call" in traced(7) and "custom_vjp_call" in traced(5)
+        assert "conv_general_dilated" not in traced(3)  # im2col
+        assert "conv_general_dilated" not in traced(7, channels=4)
+
+
 def test_non_overlapping_convs_are_a_matrix_product_on_every_backend():
     """Patch embeddings (and 1x1 convs) never reach XLA's convolution, whose input gradient
     XLA:GPU runs as a dilated convolution: the same values and gradients, no conv op."""
@@ -91,13 +135,40 @@ def test_conv_module_has_the_nn_conv_parameters_and_output():
     )
 
 
-def test_max_pool_as_shifted_maximum_equals_flax_max_pool():
-    x = jax.random.normal(jax.random.PRNGKey(3), (2, 11, 11, 4))  # no ties
+POOL_CASES = {  # name: (size, strides, padding, height, width)
+    "rvt_stem_3x3_stride2": (3, 2, 1, 11, 11),
+    "odd_and_even_sides": (3, 2, 1, 10, 9),
+    "stride3_unpadded": (4, 3, 0, 13, 11),
+    "stride1": (3, 1, 1, 6, 7),
+}
+
+
+@pytest.mark.parametrize("case", POOL_CASES)
+def test_max_pool_as_shifted_maximum_equals_flax_max_pool(case):
+    size, strides, padding, height, width = POOL_CASES[case]
+    x = jax.random.normal(jax.random.PRNGKey(3), (2, height, width, 4))  # no ties
     _assert_same_values_and_gradients(
-        lambda x: ops.max_pool_windows(x, 3, 2, 1),
-        lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1))),
+        lambda x: ops.max_pool_windows(x, size, strides, padding),
+        lambda x: ops.max_pool_reference(x, size, strides, padding),
         x,
     )
+
+
+def test_max_pool_gives_a_tie_s_gradient_to_the_first_maximum_and_propagates_nan():
+    """PyTorch's MaxPool2d: a window's gradient goes to its first maximum (row-major)."""
+    x = jnp.zeros((1, 4, 4, 1)).at[0, 1, 1, 0].set(1.0).at[0, 1, 2, 0].set(1.0)
+    grad = jax.grad(lambda x: ops.max_pool_windows(x, 2, 2, 0).sum())(x)
+    expected = np.zeros((4, 4))
+    expected[1, 1] = expected[1, 2] = 1.0  # each tie is in its own window
+    expected[2, 0] = expected[2, 2] = 1.0  # all-zero windows: their first element
+    np.testing.assert_array_equal(grad[0, :, :, 0], expected)
+    tie = jnp.ones((1, 2, 2, 1))
+    np.testing.assert_array_equal(
+        jax.grad(lambda x: ops.max_pool_windows(x, 2, 2, 0).sum())(tie)[0, :, :, 0],
+        [[1.0, 0.0], [0.0, 0.0]],
+    )
+    with_nan = jnp.zeros((1, 2, 2, 1)).at[0, 1, 0, 0].set(jnp.nan)
+    assert np.isnan(ops.max_pool_windows(with_nan, 2, 2, 0)).all()
 
 
 CASES = {  # name: (channels, multiplier, kernel, strides, padding, size)

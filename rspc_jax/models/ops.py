@@ -6,7 +6,8 @@ are not needed (`use_fused_attention`), the gradient of a parameter shared by ev
 
 XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
 matrix products and elementwise ops, so on CPU these ops are written as gathered windows
-(im2col products, shifted multiply-adds, a maximum of shifted views); GPUs and TPUs run
+(im2col products, shifted multiply-adds, a maximum of shifted views; for a large kernel on
+images, XLA's conv on a fourth zero channel, `conv_image`); GPUs and TPUs run
 XLA's own ops, which their compilers handle well. Both give the same numbers to float32
 rounding (tests/test_layers.py). The switch: `RSPC_JAX_WINDOW_OPS` = auto (default: windows
 on CPU, XLA's ops elsewhere) | windows | xla, or `implementation(...)` in code.
@@ -201,7 +202,11 @@ def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Arr
     DeiT-S's RSPC step, bfloat16, batch 256, one H200; the product is 30 GFLOP)."""
     if _non_overlapping(x, kernel.shape[0], strides, padding):
         return conv_patches(x, kernel)
-    return (conv_im2col if use_window_ops() else conv_reference)(x, kernel, strides, padding)
+    if not use_window_ops():
+        return conv_reference(x, kernel, strides, padding)
+    if x.shape[-1] < IMAGE_CHANNELS and kernel.shape[0] >= IMAGE_KERNEL:
+        return conv_image(x, kernel, strides, padding)
+    return conv_im2col(x, kernel, strides, padding)
 
 
 def _non_overlapping(x: jax.Array, size: int, strides: int, padding: int) -> bool:
@@ -258,6 +263,82 @@ def conv_im2col(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> 
     return patches @ kernel.reshape(-1, kernel.shape[-1])
 
 
+# On CPU, kernels of at least IMAGE_KERNEL on inputs of fewer than IMAGE_CHANNELS channels
+# (images) take `conv_image`; smaller kernels stay im2col, whose copy is then small.
+IMAGE_CHANNELS, IMAGE_KERNEL = 4, 5
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def conv_image(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
+    """A large-kernel conv of an input with few channels (RVT's 7x7/2 RGB stem) on CPU.
+
+    Forward and kernel gradient are XLA's convolution of the input zero-padded to
+    `IMAGE_CHANNELS` channels: Eigen's convolution runs 3 channels far slower than 4 (RVT's
+    stem at batch 8: 45 against 13 ms), and then beats im2col, which writes out a k*k-fold
+    copy of the images (at 3x3, XCiT's stem, im2col stays faster). The images' gradient,
+    which RSPC's corruption model needs, is the transpose of `conv_space_to_depth`: XLA's
+    transposed convolution and im2col's k*k overlapping adds back into the images are both
+    slower (docs/speed.md, "CPU: the stem on images (2026-12-01)")."""
+    return _conv_channels_padded(x, kernel, strides, padding)
+
+
+def _conv_channels_padded(x, kernel, strides, padding):
+    extra = IMAGE_CHANNELS - x.shape[-1]
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra)))
+    kernel = jnp.pad(kernel, ((0, 0), (0, 0), (0, extra), (0, 0)))
+    return conv_reference(x, kernel, strides, padding)
+
+
+def _conv_image_fwd(x, kernel, strides, padding):
+    return conv_image(x, kernel, strides, padding), (x, kernel)
+
+
+def _conv_image_bwd(strides, padding, residuals, grad):
+    x, kernel = residuals
+    _, kernel_vjp = jax.vjp(lambda k: _conv_channels_padded(x, k, strides, padding), kernel)
+    (grad_x,) = jax.linear_transpose(lambda x: conv_space_to_depth(x, kernel, strides, padding), x)(
+        grad
+    )
+    return grad_x, kernel_vjp(grad)[0]
+
+
+conv_image.defvjp(_conv_image_fwd, _conv_image_bwd)
+
+
+def conv_space_to_depth(x: jax.Array, kernel: jax.Array, strides: int, padding: int):
+    """A strided conv as a stride-1 conv of the input's s x s blocks (s = strides): each
+    output's window covers ceil(k / s) blocks a side, so with the kernel zero-padded to
+    whole blocks it is, per row of blocks, one matrix product of contiguous block views.
+    Its transpose (the input gradient) is then ceil(k / s)^2 shifted adds of whole blocks
+    instead of k^2 strided ones."""
+    size, s = kernel.shape[0], strides
+    batch, height, width, channels = x.shape
+    out_height = (height + 2 * padding - size) // s + 1
+    out_width = (width + 2 * padding - size) // s + 1
+    blocks = -(-size // s)
+    used_height, used_width = (out_height - 1 + blocks) * s, (out_width - 1 + blocks) * s
+    x = jnp.pad(
+        x,
+        (
+            (0, 0),
+            (padding, max(0, used_height - height - padding)),
+            (padding, max(0, used_width - width - padding)),
+            (0, 0),
+        ),
+    )[:, :used_height, :used_width]
+    x = x.reshape(batch, used_height // s, s, used_width // s, s, channels)
+    x = x.transpose(0, 1, 3, 2, 4, 5).reshape(batch, used_height // s, used_width // s, -1)
+    kernel = jnp.pad(kernel, ((0, blocks * s - size), (0, blocks * s - size), (0, 0), (0, 0)))
+    kernel = kernel.reshape(blocks, s, blocks, s, channels, -1).transpose(0, 2, 1, 3, 4, 5)
+    kernel = kernel.reshape(blocks, blocks * s * s * channels, -1)
+    rows = [
+        jnp.concatenate([x[:, a : a + out_height, b : b + out_width] for b in range(blocks)], -1)
+        @ kernel[a]
+        for a in range(blocks)
+    ]
+    return functools.reduce(jnp.add, rows)
+
+
 def conv_reference(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
     """`conv_im2col` as XLA's convolution (what accelerators run)."""
     return jax.lax.conv_general_dilated(
@@ -276,12 +357,65 @@ def max_pool(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:
     return max_pool_windows(x, size, strides, padding)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def max_pool_windows(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:
-    """The maximum of the size*size strided views: XLA:CPU's pooling gradient
-    (select-and-scatter) took 0.18 s at RVT's stem size (batch 16, 111x111x32). A tie inside
-    a window shares the gradient equally instead of giving it to one element (ties do not
-    occur in real feature maps)."""
-    return functools.reduce(jnp.maximum, _windows(x, size, strides, padding, -jnp.inf))
+    """The maximum of the size*size strided views, with the gradient going to the first
+    maximum of each window in row-major order, as PyTorch's does (a NaN counts as the
+    maximum, so it propagates).
+
+    The forward keeps one int8 index per output: autodiff of a chain of maxima kept a mask
+    per view and added k*k zero-padded strided copies of the gradient back up. Here the
+    gradient is laid out by blocks of strides x strides pixels, where each tap's part is a
+    shift of whole blocks, and the blocks are put back in place once: RVT's stem pool
+    (batch 8, 111x111x32) forward and backward took 3.7 against 37 ms; XLA:CPU's pooling
+    gradient (select-and-scatter) took 35 ms (docs/speed.md, "CPU: the stem on images
+    (2026-12-01)")."""
+    return _max_and_index(x, size, strides, padding)[0]
+
+
+def _max_and_index(x, size, strides, padding):
+    views = _windows(x, size, strides, padding, -jnp.inf)
+    best, index = views[0], jnp.zeros(views[0].shape, jnp.int8)
+    for tap, view in enumerate(views[1:], 1):
+        better = (view > best) | jnp.isnan(view)
+        best = jnp.where(better, view, best)
+        index = jnp.where(better, jnp.int8(tap), index)
+    return best, index
+
+
+def _max_pool_windows_fwd(x, size, strides, padding):
+    best, index = _max_and_index(x, size, strides, padding)
+    return best, (index, x.shape)
+
+
+def _max_pool_windows_bwd(size, strides, padding, residuals, grad):
+    index, (batch, height, width, channels) = residuals
+    out_height, out_width = grad.shape[1:3]
+    blocks = -(-size // strides)
+    block_rows, block_cols = out_height - 1 + blocks, out_width - 1 + blocks
+    phases = []  # phase (p, q): the pixels at (p, q) within each block
+    for p in range(strides):
+        for q in range(strides):
+            total = jnp.zeros((batch, block_rows, block_cols, channels), grad.dtype)
+            for i in range(p, size, strides):
+                for j in range(q, size, strides):
+                    a, b = i // strides, j // strides
+                    part = jnp.where(index == i * size + j, grad, 0)
+                    pads = ((0, 0), (a, blocks - 1 - a), (b, blocks - 1 - b), (0, 0))
+                    total = total + jnp.pad(part, pads)
+            phases.append(total)
+    padded = jnp.stack(phases, axis=3).reshape(
+        batch, block_rows, block_cols, strides, strides, channels
+    )
+    padded = padded.transpose(0, 1, 3, 2, 4, 5).reshape(
+        batch, block_rows * strides, block_cols * strides, channels
+    )
+    missing = (height + padding - padded.shape[1], width + padding - padded.shape[2])
+    padded = jnp.pad(padded, ((0, 0), (0, max(0, missing[0])), (0, max(0, missing[1])), (0, 0)))
+    return (padded[:, padding : padding + height, padding : padding + width],)
+
+
+max_pool_windows.defvjp(_max_pool_windows_fwd, _max_pool_windows_bwd)
 
 
 def max_pool_reference(x: jax.Array, size: int, strides: int, padding: int) -> jax.Array:

@@ -145,10 +145,27 @@ def scope_of(op_name: str) -> str:
         if name.startswith(prefix):
             inner, rest = _wrapped(name, len(prefix))
             rest = rest.removeprefix(")" * (prefix.count("(") - 1)).removeprefix("/")
-            path = rest.split("/")[:-1]  # the last part is the primitive
-            path = [_BLOCK_INDEX.sub(r"\1_*", part) for part in path]
+            path = _layer_path(rest.split("/")[:-1])  # the last part is the primitive
             return f"{direction} {'/'.join([inner or '(model input)'] + path)}"
     return f"outside the model: {name.split('/')[0]}"
+
+
+def _layer_path(parts: list[str]) -> list[str]:
+    """Layer names with block indices folded. A transform's part (`jit(_pad)`, a custom
+    gradient's `transpose(...)`) is dropped, and so is the repeat of the path that a name
+    stack restarted inside it begins with."""
+    path, echo = [], None
+    for part in parts:
+        if "(" in part:
+            echo = 0
+            continue
+        part = _BLOCK_INDEX.sub(r"\1_*", part)
+        if echo is not None and echo < len(path) and path[echo] == part:
+            echo += 1
+            continue
+        echo = None
+        path.append(part)
+    return path
 
 
 def _wrapped(text: str, start: int) -> tuple[str, str]:
