@@ -47,45 +47,28 @@ DENSE_CASES = {  # name: (in, out, kernel, strides, padding, size)
 }
 
 
-@pytest.mark.parametrize("case", DENSE_CASES)
-def test_convolution_as_matrix_product_equals_xla_convolution(case):
-    channels, features, size, strides, padding, spatial = DENSE_CASES[case]
-    x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
-    _assert_same_values_and_gradients(
-        lambda x, k: ops.conv_im2col(x, k, strides, padding),
-        lambda x, k: ops.conv_reference(x, k, strides, padding),
-        x,
-        kernel,
-    )
-
-
-@pytest.mark.parametrize("case", DENSE_CASES)
-def test_convolution_by_blocks_equals_xla_convolution(case):
-    channels, features, size, strides, padding, spatial = DENSE_CASES[case]
-    x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
-    _assert_same_values_and_gradients(
-        lambda x, k: ops.conv_space_to_depth(x, k, strides, padding),
-        lambda x, k: ops.conv_reference(x, k, strides, padding),
-        x,
-        kernel,
-    )
-
-
-IMAGE_CASES = {  # name: (in, out, kernel, strides, padding, size)
+IMAGE_CASES = {  # inputs of fewer than 4 channels, for ops.conv_image
     "rvt_stem_7x7_stride2": (3, 8, 7, 2, 2, 20),
     "xcit_stem_3x3_stride2": (3, 4, 3, 2, 1, 9),
     "grey_5x5_stride3_odd_size": (1, 3, 5, 3, 2, 13),
     "two_channels_3x3_stride1": (2, 3, 3, 1, 1, 7),
 }
+CONV_FORMS = {  # name: (CPU form, its cases)
+    "im2col": (ops.conv_im2col, DENSE_CASES),
+    "blocks": (ops.conv_space_to_depth, DENSE_CASES),
+    "image": (ops.conv_image, IMAGE_CASES),  # XLA's conv on 4 channels, gradient by blocks
+}
 
 
-@pytest.mark.parametrize("case", IMAGE_CASES)
-def test_image_convolution_equals_xla_convolution(case):
-    """The CPU form for images: XLA's conv on 4 channels, the images' gradient by blocks."""
-    channels, features, size, strides, padding, spatial = IMAGE_CASES[case]
+@pytest.mark.parametrize(
+    "form, case", [(form, case) for form, (_, cases) in CONV_FORMS.items() for case in cases]
+)
+def test_cpu_convolution_forms_equal_xla_convolution(form, case):
+    conv, cases = CONV_FORMS[form]
+    channels, features, size, strides, padding, spatial = cases[case]
     x, kernel = _input_and_kernel(spatial, channels, (size, size, channels, features))
     _assert_same_values_and_gradients(
-        lambda x, k: ops.conv_image(x, k, strides, padding),
+        lambda x, k: conv(x, k, strides, padding),
         lambda x, k: ops.conv_reference(x, k, strides, padding),
         x,
         kernel,
