@@ -9,8 +9,10 @@ images/s (clean images per step / median), the step-time ratio to the first
 variant, XLA's FLOP count of the step with the model FLOPs utilisation (on GPUs/TPUs),
 XLA's memory estimate and the device's peak memory. Options that matter on accelerators:
 `--config.compute_dtype=bfloat16`, `--config.remat=True`, `--config.scan_blocks=True`
-(ViT/DeiT); the step donates its state. Variants: 'plain' (no RSPC), 'rspc', or any name
-of rspc_jax.training.ablations (the adversarial-training baselines of the paper's Fig. 7 among them).
+(ViT/DeiT); the step donates its state. Variants: 'plain' (no RSPC), 'rspc', 'plain_2x' (the
+plain step on twice the batch, as many images as RSPC's forward: rspc / plain_2x is RSPC's
+cost beyond the doubled batch), or any name of rspc_jax.training.ablations (the
+adversarial-training baselines of the paper's Fig. 7 among them).
 
     python -m rspc_jax.benchmark --config=configs/deit_s.py --batch=8 --steps=5 --compare_timm
 
@@ -53,7 +55,8 @@ _BATCH = flags.DEFINE_integer("batch", 0, "Global batch size (0 = the config's).
 _VARIANTS = flags.DEFINE_string(
     "variants",
     "plain,rspc",
-    "Comma-separated step variants: plain, rspc or names of rspc_jax.training.ablations.",
+    "Comma-separated step variants: plain, rspc, plain_2x (plain on twice the batch) or names "
+    "of rspc_jax.training.ablations.",
 )
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir",

@@ -37,17 +37,28 @@ def _benchmark(*extra, config="configs/demo.py:smoke"):
 
 
 def test_benchmark_prints_plain_rspc_ratio_flops_and_memory():
-    out = _benchmark("--batch=8")
+    """With plain_2x (the plain step on twice the batch: the images RSPC's forward puts
+    through the classifier) the table also gives RSPC's cost beyond doubling the batch."""
+    out = _benchmark("--batch=8", "--variants=plain,plain_2x,rspc")
     plain = re.search(_ROW.format("plain"), out, re.M)
+    doubled = re.search(_ROW.format("plain_2x"), out, re.M)
     rspc = re.search(_ROW.format("rspc"), out, re.M)
-    assert plain and rspc, out
+    assert plain and doubled and rspc, out
     ratio = float(re.search(r"ratio rspc/plain step time: (\d+\.\d+)", out).group(1))
     assert ratio > 0
+    beyond = re.search(r"ratio rspc/plain_2x step time: (\d+\.\d+)", out)
+    assert beyond and float(beyond.group(1)) > 0, out
     assert plain.group(5) == "n/a"  # no MFU on CPU: no known peak
-    plain_flops, rspc_flops = float(plain.group(4)), float(rspc.group(4))
+    plain_flops, doubled_flops = float(plain.group(4)), float(doubled.group(4))
+    rspc_flops = float(rspc.group(4))
     assert plain_flops > 0 and rspc_flops >= 1.9 * plain_flops
+    assert 1.9 * plain_flops <= doubled_flops <= 2.1 * plain_flops
+    assert rspc_flops > doubled_flops  # the corruption model's work on top
+    # images/s counts each step's own batch: 16 images for plain_2x
+    images = float(doubled.group(3)) * float(doubled.group(2))  # the median is rounded
+    assert abs(images / 16 - 1) < 0.02, out
     assert int(rspc.group(6)) > 0
-    for row in (plain, rspc):  # cores busy: CPU time over wall time, at most every core
+    for row in (plain, doubled, rspc):  # cores busy: CPU time over wall time
         assert 0 < float(row.group(8)) <= os.cpu_count() + 0.1
 
 

@@ -176,11 +176,12 @@ def print_table(
     """Times every variant of `config` on one random batch and prints the table (and, with
     `profile_dir`, each variant's top ops from a profiler trace in <profile_dir>/<variant>);
     `keep_timers` keeps each variant's 'time_steps' for `compare_side_by_side`'s rounds."""
-    spec, batch = _random_batch(config)
     results = {}
     for name in variants:
+        variant = variant_config(config, name)
+        spec, batch = _random_batch(variant)
         results[name] = time_step(
-            variant_config(config, name),
+            variant,
             spec,
             batch,
             steps,
@@ -189,7 +190,7 @@ def print_table(
         )
     print(
         f"model {config.model_name}, global batch {config.batch_size} clean images per step "
-        f"(RSPC and TRADES put 2x through the classifier), "
+        f"(RSPC, TRADES and plain_2x put 2x through the classifier), "
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, {steps} timed "
         + (f"calls of {config.steps_per_call} steps" if config.steps_per_call > 1 else "steps")
     )
@@ -218,9 +219,10 @@ def print_table(
         "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators); "
         "cores busy: the process's CPU time over the wall time of the timed steps."
     )
-    if {"plain", "rspc"} <= set(results):
-        ratio = results["rspc"]["median_sec"] / results["plain"]["median_sec"]
-        print(f"ratio rspc/plain step time: {ratio:.2f}")
+    for baseline in ("plain", "plain_2x"):
+        if {baseline, "rspc"} <= set(results):
+            ratio = results["rspc"]["median_sec"] / results[baseline]["median_sec"]
+            print(f"ratio rspc/{baseline} step time: {ratio:.2f}")
     for name, r in results.items():
         if r["top_ops"]:
             profiling.print_top_ops(f"{name}, by kind", profiling.by_kind(r["top_ops"]))
@@ -250,10 +252,10 @@ def print_compile_table(config, variants: list[str]) -> dict:
     FLOPs and XLA's memory estimates: a quick look before a long compile-and-run, and the
     way to fill JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) for a timed
     run, e.g. several configs compiled at once on a many-core host, then timed one by one."""
-    spec, batch = _random_batch(config)
     results = {}
     for name in variants:
-        _, _, compiled, compile_sec, flops = compile_step(variant_config(config, name), spec, batch)
+        variant = variant_config(config, name)
+        _, _, compiled, compile_sec, flops = compile_step(variant, *_random_batch(variant))
         results[name] = dict(
             compile_sec=compile_sec, flops=flops, step_bytes=compiled_bytes(compiled)
         )
@@ -271,10 +273,15 @@ def print_compile_table(config, variants: list[str]) -> dict:
 
 
 def variant_config(config, name: str):
-    """A copy of `config` switched to variant `name`."""
+    """A copy of `config` switched to variant `name`. 'plain_2x' is the plain step on twice
+    the batch, the images RSPC's one forward puts through the classifier: rspc / plain_2x
+    is what RSPC costs beyond the doubled batch, which alone can take more than twice the
+    time once a step's buffers outgrow the caches."""
     config = config.copy_and_resolve_references()
-    if name in ("plain", "rspc"):
+    if name in ("plain", "rspc", "plain_2x"):
         config.rspc.enabled = name == "rspc"
+        if name == "plain_2x":
+            config.batch_size *= 2
         return config
     return ablations.apply(config, name)
 
