@@ -82,9 +82,17 @@ _COMPARE_COMMAND = flags.DEFINE_multi_string(
 _ROUNDS = flags.DEFINE_integer(
     "rounds",
     3,
-    "With --compare_timm or --compare_command: the reference steps and ours alternate this "
-    "many times (--steps each), so that the machine's drift does not bias the ratio.",
+    "With --compare_timm, --compare_command or --interleave: the steps alternate this many "
+    "times (--steps each), so that the machine's drift does not bias the ratios.",
     lower_bound=1,
+)
+_INTERLEAVE = flags.DEFINE_bool(
+    "interleave",
+    False,
+    "Also alternate our variants for --rounds rounds of --steps steps and print the medians "
+    "over all rounds, each against the first variant: step-time ratios (rspc/plain) that the "
+    "machine's drift over minutes does not bias. --compare_timm and --compare_command "
+    "interleave anyway.",
 )
 _COMPILE_ONLY = flags.DEFINE_bool(
     "compile_only",
@@ -132,9 +140,9 @@ def main(argv):
         _VARIANTS.value.split(","),
         _STEPS.value,
         profile_dir=_PROFILE_DIR.value,
-        keep_timers=bool(references),
+        keep_timers=bool(references) or _INTERLEAVE.value,
     )
-    if references:
+    if references or _INTERLEAVE.value:
         benchmark.compare_side_by_side(results, references, _STEPS.value, _ROUNDS.value)
 
 
@@ -147,6 +155,7 @@ def _refuse_unused_flags() -> None:
             ("--compile_only", _MEMORY.value and _COMPILE_ONLY.value),
             ("--compare_timm", _COMPARE_TIMM.value),
             ("--compare_command", _COMPARE_COMMAND.value),
+            ("--interleave", _INTERLEAVE.value),
             ("--profile_dir", _PROFILE_DIR.value),
         )
         if given

@@ -539,3 +539,20 @@ def test_pytorch_references_use_the_cores_the_process_may_run_on():
     result = run_python(["-c", script], timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["1"]
+
+
+def test_interleave_alternates_our_variants_without_a_reference():
+    """--interleave: our variants alone, alternated for --rounds rounds, each against the
+    first variant, and RSPC's ratios from the medians over all rounds."""
+    out = _benchmark("--batch=8", "--steps=1", "--rounds=2", "--interleave")
+    assert "our variants alone, 2 interleaved rounds of 1 steps each" in out, out
+    row = _SIDE_ROW.replace(r"(\d+)\s+(\d+\.\d+)$", r"(\S+)\s+(\S+)$")
+    plain = re.search(row.format("plain"), out, re.M)
+    rspc = re.search(row.format("rspc"), out, re.M)
+    assert plain and rspc, out
+    assert float(plain.group(2)) == 1.0 and plain.group(3) == rspc.group(3) == "plain"
+    ratio = float(rspc.group(1)) / float(plain.group(1))  # of medians rounded to 0.1 ms
+    assert abs(float(rspc.group(2)) / ratio - 1) < 0.1, out
+    over_rounds = re.search(r"ratio rspc/plain step time over the rounds: (\d+\.\d+)", out)
+    assert over_rounds and over_rounds.group(1) == rspc.group(2), out
+    assert "ref:" not in out

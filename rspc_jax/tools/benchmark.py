@@ -341,9 +341,10 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     a fresh process that prints a JSON record with 'times' and optionally 'peak_rss_bytes',
     'cores_busy' and 'framework') with `steps` more steps of each of our variants (from
     `print_table` with `keep_timers`), and prints the medians over all rounds: each of our
-    variants' time ratio to the reference of the same variant (else the first one; < 1 =
-    we are faster), peak resident memories and cores kept busy. Interleaving keeps the
-    machine's drift (10-20% over minutes on shared CPUs) out of the ratios."""
+    variants' time ratio to the reference of the same variant (else the first reference;
+    < 1 = we are faster; with no reference at all, to our first variant), peak resident
+    memories and cores kept busy. Interleaving keeps the machine's drift (10-20% over
+    minutes on shared CPUs) out of the ratios."""
     samples = {label: [] for label, _ in references.values()} | {name: [] for name in results}
     busy = {name: [] for name in samples}
     records = {}
@@ -366,19 +367,27 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     ours_device = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     device |= {name: ours_device for name in results}
     device_column = any(device.values())  # accelerators: the allocators' peaks
-    first = next(iter(references.values()))[0]
+    first = next(iter(references.values()))[0] if references else next(iter(results))
     against = {label: label for label in records}
     against |= {name: references.get(name, (first,))[0] for name in results}
     frameworks = sorted({r["framework"] for r in records.values() if r.get("framework")})
+    compared = (
+        f"side by side with {', '.join(frameworks) or 'the reference steps'}"
+        if references
+        else "our variants alone"
+    )
     print(
-        f"\nside by side with {', '.join(frameworks) or 'the reference steps'}, "
-        f"{rounds} interleaved rounds of {steps} steps each"
+        f"\n{compared}, {rounds} interleaved rounds of {steps} steps each"
         + "".join(
             f" ({name}: {steps} calls of {r['steps_per_call']} steps)"
             for name, r in results.items()
             if r.get("steps_per_call", 1) > 1
         )
-        + " (the reference processes start with our environment, the allocator included):"
+        + (
+            " (the reference processes start with our environment, the allocator included):"
+            if references
+            else ":"
+        )
     )
     print(
         f"{'step':<24} {'median step s':>14} {'x reference':>12} {'reference':<16} "
@@ -400,6 +409,10 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
         "wall time of the timed steps."
         + (" device MiB: the peak of each process's device allocator." if device_column else "")
     )
+    for baseline in ("plain", "plain_2x"):
+        if {baseline, "rspc"} <= set(results):
+            ratio = medians["rspc"] / medians[baseline]
+            print(f"ratio rspc/{baseline} step time over the rounds: {ratio:.2f}")
     return medians
 
 
