@@ -28,6 +28,10 @@ any reference step, e.g. the official RVT code's, from a script outside this rep
 
     python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.compute_dtype=bfloat16 --memory --variants=rspc --slices=v3-8,v4-8
 
+`--interleave` alternates our variants alone in the same way and prints their medians over
+all rounds against the first variant, with rspc / plain and rspc / plain_2x: ratios between
+our own steps that the machine's drift does not bias.
+
 `--memory` times nothing: it prints, for each variant with remat off and on, the largest
 per-device micro-batch whose step fits `--headroom` of a device's memory on each slice
 (XLA's memory analysis of the compiled step, a few compiles each) and the grad_accum_steps
