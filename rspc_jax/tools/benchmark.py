@@ -219,10 +219,7 @@ def print_table(
         "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators); "
         "cores busy: the process's CPU time over the wall time of the timed steps."
     )
-    for baseline in ("plain", "plain_2x"):
-        if {baseline, "rspc"} <= set(results):
-            ratio = results["rspc"]["median_sec"] / results[baseline]["median_sec"]
-            print(f"ratio rspc/{baseline} step time: {ratio:.2f}")
+    _print_rspc_ratios({name: r["median_sec"] for name, r in results.items()})
     for name, r in results.items():
         if r["top_ops"]:
             profiling.print_top_ops(f"{name}, by kind", profiling.by_kind(r["top_ops"]))
@@ -409,11 +406,16 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
         "wall time of the timed steps."
         + (" device MiB: the peak of each process's device allocator." if device_column else "")
     )
-    for baseline in ("plain", "plain_2x"):
-        if {baseline, "rspc"} <= set(results):
-            ratio = medians["rspc"] / medians[baseline]
-            print(f"ratio rspc/{baseline} step time over the rounds: {ratio:.2f}")
+    _print_rspc_ratios(medians, " over the rounds")
     return medians
+
+
+def _print_rspc_ratios(seconds: dict, over: str = "") -> None:
+    """rspc / plain and rspc / plain_2x (RSPC's cost beyond the doubled batch), where timed."""
+    for baseline in ("plain", "plain_2x"):
+        if {baseline, "rspc"} <= set(seconds):
+            ratio = seconds["rspc"] / seconds[baseline]
+            print(f"ratio rspc/{baseline} step time{over}: {ratio:.2f}")
 
 
 def _mib(size) -> str:
