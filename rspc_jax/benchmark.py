@@ -132,6 +132,7 @@ def main(argv):
     if _BATCH.value:
         config.batch_size = _BATCH.value
     _refuse_unused_flags()
+    benchmark.check_variants(_VARIANTS.value.split(","))
     if _MEMORY.value:
         memory_plan(config)
         return

@@ -556,3 +556,22 @@ def test_interleave_alternates_our_variants_without_a_reference():
     over_rounds = re.search(r"ratio rspc/plain step time over the rounds: (\d+\.\d+)", out)
     assert over_rounds and over_rounds.group(1) == rspc.group(2), out
     assert "ref:" not in out
+
+
+def test_unknown_variants_are_refused_before_anything_compiles():
+    for extra in ([], ["--compile_only"]):
+        result = run_python(
+            [
+                "-m",
+                "rspc_jax.benchmark",
+                "--config=configs/demo.py:smoke",
+                "--variants=plain,plain_3x",
+                "--steps=1",
+                *extra,
+            ],
+            timeout=120,
+        )
+        assert result.returncode != 0
+        assert "unknown step variant 'plain_3x'" in result.stderr, result.stderr[-2000:]
+        assert "plain, rspc, plain_2x" in result.stderr and "trades1" in result.stderr
+        assert "median" not in result.stdout  # nothing timed

@@ -269,13 +269,27 @@ def print_compile_table(config, variants: list[str]) -> dict:
     return results
 
 
+STEP_VARIANTS = ("plain", "rspc", "plain_2x")
+
+
+def check_variants(names: list[str]) -> None:
+    """Refuses an unknown variant before any step is built."""
+    known = [*STEP_VARIANTS, *sorted(ablations.ABLATIONS)]
+    for name in names:
+        if name not in known:
+            raise SystemExit(
+                f"unknown step variant {name!r} in --variants: pass a comma-separated list of "
+                f"{', '.join(known)}"
+            )
+
+
 def variant_config(config, name: str):
     """A copy of `config` switched to variant `name`. 'plain_2x' is the plain step on twice
     the batch, the images RSPC's one forward puts through the classifier: rspc / plain_2x
     is what RSPC costs beyond the doubled batch, which alone can take more than twice the
     time once a step's buffers outgrow the caches."""
     config = config.copy_and_resolve_references()
-    if name in ("plain", "rspc", "plain_2x"):
+    if name in STEP_VARIANTS:
         config.rspc.enabled = name == "rspc"
         if name == "plain_2x":
             config.batch_size *= 2
