@@ -53,7 +53,7 @@ class TalkingHeadAttn(nn.Module):
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
         q, k, v = jnp.unstack(qkv)  # see layers.Attention
         logits = _mix_heads(jnp.einsum("bhqd,bhkd->bhqk", q * head_dim**-0.5, k), "proj_l")
-        attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+        attn = layers.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         mixed = nn.Dropout(self.dropout, deterministic=not train)(_mix_heads(attn, "proj_w"))
         out = jnp.einsum("bhqk,bhkd->bhqd", mixed, v).transpose(0, 2, 1, 3).reshape(x.shape)
         return nn.Dropout(self.dropout, deterministic=not train)(_dense(dim, "proj")(out)), attn

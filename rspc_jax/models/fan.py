@@ -302,7 +302,7 @@ class TokenMixing(nn.Module):
         logits = jnp.einsum("bqhd,bkhd->bhqk", q * head_dim**-0.5, k)
         if bias is not None:
             logits = logits + bias.astype(logits.dtype)
-        attn = jax.nn.softmax(logits, axis=-1)
+        attn = layers.softmax(logits, axis=-1)
         out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(batch, tokens, dim)
         return _dense(dim, "proj")(out), attn
 
@@ -358,8 +358,8 @@ class ChannelProcessing(nn.Module):
         temperature = self.param("temperature", nn.initializers.ones, (heads, 1, 1))
         q = _dense(dim, "q", self.qkv_bias)(x).reshape(batch, tokens, heads, head_dim)
         k = x.reshape(batch, tokens, heads, head_dim)
-        q = jax.nn.softmax(q, axis=1)
-        k = jax.nn.softmax(k, axis=1).mean(axis=-1)
+        q = layers.softmax(q, axis=1)
+        k = layers.softmax(k, axis=1).mean(axis=-1)
         gate = jax.nn.sigmoid(jnp.einsum("bnhd,bnh->bhd", q, k)) * temperature[:, :, 0]
         v = ChannelMlp(self.hidden_dim, self.bn_axis_name, name="mlp_v")(x, grid, train=train)
         v = _layer_norm("norm_v", NORM_V_EPS)(v).reshape(batch, tokens, heads, head_dim)
@@ -407,7 +407,7 @@ class ClassAttn(nn.Module):
         q = _dense(dim, "q", self.qkv_bias)(x[:, 0]).reshape(batch, self.num_heads, head_dim)
         k = _dense(dim, "k", self.qkv_bias)(x).reshape(batch, tokens, self.num_heads, head_dim)
         v = _dense(dim, "v", self.qkv_bias)(x).reshape(batch, tokens, self.num_heads, head_dim)
-        attn = jax.nn.softmax(jnp.einsum("bhd,bkhd->bhk", q * head_dim**-0.5, k), axis=-1)
+        attn = layers.softmax(jnp.einsum("bhd,bkhd->bhk", q * head_dim**-0.5, k), axis=-1)
         out = jnp.einsum("bhk,bkhd->bhd", attn, v).reshape(batch, 1, dim)
         return _dense(dim, "proj")(out), attn[:, :, None]
 

@@ -18,6 +18,17 @@ def gelu(x: jax.Array) -> jax.Array:
     return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(0.7071067811865476, x.dtype)))
 
 
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """`jax.nn.softmax` with JAX's newer derivative (`jax.softmax_custom_jvp`, not yet its
+    default), which reads the output only. The default differentiates exp(x - max) / sum,
+    so every attention layer kept both its exponentials and its map for the backward pass:
+    one map more per layer in the train step (DeiT-S at batch 8, XLA's estimate 1125 against
+    1039 MiB; docs/speed.md, "CPU: the softmax's derivative (2026-12-01)"). The same values
+    to float32 rounding."""
+    with jax.softmax_custom_jvp(True):
+        return jax.nn.softmax(x, axis=axis)
+
+
 # timm initialises Linear layers with trunc-normal(0.02) and zero bias.
 dense_init = nn.initializers.truncated_normal(stddev=0.02)
 
@@ -257,7 +268,7 @@ def _softmax(logits: jax.Array, key_keep: jax.Array | None) -> jax.Array:
     The shift is the largest kept logit and dropped logits never reach exp, so a dropped
     key however large can neither overflow nor underflow the kept ones."""
     if key_keep is None:
-        return jax.nn.softmax(logits, axis=-1)
+        return softmax(logits)
     keep = key_keep[:, None, None, :].astype(logits.dtype)
     top = jax.lax.stop_gradient(jnp.where(keep > 0, logits, -jnp.inf).max(axis=-1, keepdims=True))
     weights = jnp.exp(jnp.where(keep > 0, logits, top) - top) * keep

@@ -121,7 +121,7 @@ class WindowAttention(nn.Module):
         logits = jnp.einsum("bwhqd,bwhkd->bwhqk", q * head_dim**-0.5, k) + bias.astype(x.dtype)
         if mask is not None:
             logits = logits + jnp.asarray(mask, x.dtype)[:, None]
-        attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+        attn = layers.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
         out = jnp.einsum("bwhqk,bwhkd->bwqhd", attn_dropped, v).reshape(x.shape)
         out = _dense(dim, "proj")(out)

@@ -41,7 +41,7 @@ class XCA(nn.Module):
         q, k, v = jnp.unstack(qkv, axis=2)  # see layers.Attention
         q, k = _l2_normalize(q, axis=1), _l2_normalize(k, axis=1)
         logits = jnp.einsum("bnhc,bnhd->bhcd", q, k) * temperature
-        attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
+        attn = layers.softmax(logits.astype(jnp.float32), axis=-1).astype(x.dtype)
         out = jnp.einsum("bhcd,bnhd->bnhc", attn, v).reshape(batch, tokens, dim)
         return fan._dense(dim, "proj")(out), attn
 
