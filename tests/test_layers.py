@@ -454,3 +454,34 @@ def test_softmax_keeps_only_its_output_for_the_backward_pass():
             ours = jax.grad(loss(layers.softmax), argnums=(0, 1))(logits, values)
             for a, b in zip(ours, expected):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_gradient_is_autodiff_s_and_the_backward_pass_keeps_only_the_input():
+    """`layers.gelu`'s written-out backward against autodiff of the formula, and what a
+    compiled MLP gradient keeps: the input of GELU, not its erf too (XLA would merge an erf
+    written like the forward's into it and keep one more hidden-width array)."""
+    x = jnp.concatenate([jnp.linspace(-12.0, 12.0, 97), jnp.array([0.0, -0.0, 1e-30])])
+
+    def formula(x):
+        return 0.5 * x * (1.0 + jax.lax.erf(x * 0.7071067811865476))
+
+    np.testing.assert_allclose(layers.gelu(x), formula(x), rtol=1e-6, atol=1e-7)
+    ours = jax.grad(lambda x: jnp.sum(jnp.sin(layers.gelu(x))))(x)
+    expected = jax.grad(lambda x: jnp.sum(jnp.sin(formula(x))))(x)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-7)
+    _, vjp = jax.vjp(layers.gelu, x)
+    assert [leaf.shape for leaf in jax.tree_util.tree_leaves(vjp)] == [x.shape]
+
+    inputs = jax.random.normal(jax.random.PRNGKey(0), (512, 64))
+    w1 = jax.random.normal(jax.random.PRNGKey(1), (64, 256)) / 8
+    w2 = jax.random.normal(jax.random.PRNGKey(2), (256, 64)) / 16
+
+    def temp_bytes(activation):
+        def loss(w1, w2):
+            return jnp.sum(jnp.sin(activation(inputs @ w1) @ w2))
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(w1, w2).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    hidden = 512 * 256 * 4
+    assert temp_bytes(layers.gelu) <= temp_bytes(formula) - hidden
