@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -28,14 +29,14 @@ def _gelu_fwd(x):
 
 
 def _gelu_bwd(x, grad):
-    """Recomputes the normal CDF from the input. Autodiff of `gelu` kept the forward's erf,
+    """Recomputes the normal CDF from the input. Autodiff of `gelu` kept the forward's erf:
     one more array of the MLP's hidden width per layer (DeiT-S train step at batch 8: 12 x
-    9.2 MB; docs/speed.md, "CPU: the softmax's derivative (2026-12-01)"). The CDF is
-    written with erf's symmetry, 1 - erf(-x / sqrt 2), so that XLA does not merge it with
-    the forward's erf and keep that after all (as it did for x / sqrt 2, which it turns
-    into the forward's product)."""
+    9.2 MB; docs/speed.md, "CPU: the softmax's derivative and GELU's erf (2026-12-01)").
+    The CDF is written with erf's symmetry, 1 - erf(-x / sqrt 2), so that XLA does not
+    merge it with the forward's erf and keep that after all (as it did with x / sqrt 2,
+    which it turns into the forward's product)."""
     cdf = 0.5 * (1.0 - jax.lax.erf(x * jnp.asarray(-_SQRT_HALF, x.dtype)))
-    density = jnp.exp(-0.5 * x * x) * jnp.asarray((2 * 3.141592653589793) ** -0.5, x.dtype)
+    density = jnp.exp(-0.5 * x * x) * jnp.asarray((2 * math.pi) ** -0.5, x.dtype)
     return (grad * (cdf + x * density),)
 
 
@@ -47,8 +48,8 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     default), which reads the output only. The default differentiates exp(x - max) / sum,
     so every attention layer kept both its exponentials and its map for the backward pass:
     one map more per layer in the train step (DeiT-S at batch 8, XLA's estimate 1125 against
-    1039 MiB; docs/speed.md, "CPU: the softmax's derivative (2026-12-01)"). The same values
-    to float32 rounding."""
+    1039 MiB; docs/speed.md, "CPU: the softmax's derivative and GELU's erf (2026-12-01)").
+    The same values to float32 rounding."""
     with jax.softmax_custom_jvp(True):
         return jax.nn.softmax(x, axis=axis)
 
