@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from rspc_jax.models import ops
 
+_SQRT_HALF = 0.7071067811865476
+
 
 @jax.custom_vjp
 def gelu(x: jax.Array) -> jax.Array:
@@ -19,9 +21,6 @@ def gelu(x: jax.Array) -> jax.Array:
     for the same values to 1e-6. The backward pass keeps the input only, as PyTorch's does
     (`_gelu_bwd`)."""
     return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(_SQRT_HALF, x.dtype)))
-
-
-_SQRT_HALF = 0.7071067811865476
 
 
 def _gelu_fwd(x):
