@@ -72,7 +72,7 @@ class PatchCorruptionModel(nn.Module):
         )(images)
         x = layers.gelu(x).reshape(images.shape[0], -1)  # row-major patch order
         num_patches = x.shape[1]
-        return nn.Dense(
+        return layers.dense(
             num_patches,
             use_bias=False,
             kernel_init=layers.torch_default_uniform(num_patches),

@@ -485,3 +485,90 @@ def test_gelu_gradient_is_autodiff_s_and_the_backward_pass_keeps_only_the_input(
 
     hidden = 512 * 256 * 4
     assert temp_bytes(layers.gelu) <= temp_bytes(formula) - hidden
+
+
+def _dense_reference(x, kernel):
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+@pytest.mark.parametrize("features", [24, 5])  # the input (8 wide) narrower, then wider
+def test_layerwise_dense_gradient_is_autodiff_s(features):
+    """`ops.linear`'s CPU backward (the narrower operand transposed, the input gradient tied
+    to the kernel's) against autodiff of the product, for every set of inputs that take a
+    gradient; where only one does, the other's is not computed (None in the vjp's
+    residuals)."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 8))
+    kernel = jax.random.normal(jax.random.PRNGKey(1), (8, features)) / 3
+    with ops.dense_gradient_implementation("layerwise"):
+        _assert_same_values_and_gradients(ops.linear, _dense_reference, x, kernel)
+        for argnums in ((0,), (1,)):
+
+            def loss(fn, *args):
+                return jnp.sum(jnp.sin(fn(*args)))
+
+            ours = jax.jit(jax.grad(functools.partial(loss, ops.linear), argnums))(x, kernel)
+            expected = jax.grad(functools.partial(loss, _dense_reference), argnums)(x, kernel)
+            np.testing.assert_allclose(ours[0], expected[0], rtol=1e-5, atol=1e-5)
+        _, vjp = jax.vjp(lambda x: ops.linear(x, kernel), x)
+        kept = [leaf.shape for leaf in jax.tree_util.tree_leaves(vjp)]
+        assert x.shape not in kept and kernel.shape in kept
+
+
+def test_dense_layers_use_the_backends_product_with_the_same_parameters():
+    """`layers.dense` is `nn.Dense` with `ops.linear`: the same parameter tree and values;
+    any other contraction is refused with a message naming the fix."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 6))
+    ours, theirs = layers.dense(4, name="fc"), nn.Dense(4, name="fc")
+    params = theirs.init(jax.random.PRNGKey(1), x)
+    assert jax.tree.map(jnp.shape, ours.init(jax.random.PRNGKey(1), x)) == jax.tree.map(
+        jnp.shape, params
+    )
+    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-6)
+    with pytest.raises(ValueError, match="jax.lax.dot_general"):
+        ops.dense_dot_general(x, x, (((2,), (2,)), ((0,), (0,))))
+
+
+def test_layerwise_dense_gradient_frees_each_layer_before_the_next():
+    """The compiled gradient of a stack of dense layers under XLA:CPU's memory-optimized
+    schedule (the steps' on CPU): with autodiff's backward, the schedule keeps every
+    layer's kernel gradient, and the activations it reads, for the end; with the layerwise
+    one it computes each as it reaches the layer, so the temporaries are smaller by more
+    than two layers' activations. No kernel gradient is a product with transposed operands
+    (Eigen's on XLA:CPU), and an input gradient alone costs no kernel gradients."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks XLA:CPU's schedule and products")
+    depth, tokens, width = 6, 2048, 128
+    x = jax.random.normal(jax.random.PRNGKey(0), (tokens, width))
+    kernels = [
+        jax.random.normal(jax.random.PRNGKey(i), (width, width)) / width**0.5
+        for i in range(1, depth + 1)
+    ]
+
+    def loss(kernels, x):
+        for kernel in kernels:
+            x = jnp.tanh(ops.linear(x, kernel))
+        return jnp.sum(x)
+
+    def compiled(choice, argnums):
+        with ops.dense_gradient_implementation(choice):
+            grad = jax.jit(jax.grad(loss, argnums))
+            return grad.lower(kernels, x).compile(ops.compiler_options())
+
+    autodiff, layerwise = compiled("xla", 0), compiled("layerwise", 0)
+    activation = tokens * width * 4
+    temp = {c: c.memory_analysis().temp_size_in_bytes for c in (autodiff, layerwise)}
+    assert temp[layerwise] < temp[autodiff] - 2 * activation, (temp, activation)
+    transposed = [
+        line for line in layerwise.as_text().splitlines() if "lhs_contracting_dims={0}" in line
+    ]
+    assert not transposed, transposed
+    np.testing.assert_allclose(
+        jax.tree.leaves(layerwise(kernels, x)),
+        jax.tree.leaves(autodiff(kernels, x)),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    flops = {
+        choice: compiled(choice, 1).cost_analysis()["flops"] for choice in ("xla", "layerwise")
+    }
+    assert flops["layerwise"] <= flops["xla"] * 1.01, flops

@@ -92,7 +92,7 @@ def _torch_conv_init(in_channels: int, kernel: int) -> dict:
 
 
 def _dense(features: int, name: str, use_bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, kernel_init=layers.dense_init, name=name)
+    return layers.dense(features, use_bias=use_bias, kernel_init=layers.dense_init, name=name)
 
 
 def _to_grid(tokens: jax.Array, grid: tuple[int, int]) -> jax.Array:
@@ -505,7 +505,7 @@ class FAN(nn.Module):
             layers.sow_class_attention(self, attn, sow_attention)
         x = _layer_norm("norm")(x)[:, 0]
         head_init = nn.initializers.truncated_normal(0.02 * self.head_init_scale)
-        return nn.Dense(self.num_classes, kernel_init=head_init, name="head")(x)
+        return layers.dense(self.num_classes, kernel_init=head_init, name="head")(x)
 
     def _patch_embed(self, images, train: bool) -> jax.Array:
         if self.hybrid:

@@ -1,8 +1,8 @@
 """Backend-specific choices behind one switch each, so the models and steps read the same on
 every backend: window ops (dense and depthwise convolution, max-pooling), attention whose maps
 are not needed (`use_fused_attention`), the gradient of a parameter shared by every example
-(`broadcast_over_batch`), and XLA:CPU's instruction schedule for the jitted steps
-(`compiler_options`).
+(`broadcast_over_batch`), the backward pass of a dense layer's product (`linear`), and
+XLA:CPU's instruction schedule for the jitted steps (`compiler_options`).
 
 XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
 matrix products and elementwise ops, so on CPU these ops are written as gathered windows
@@ -58,6 +58,7 @@ _window_ops = _Switch("RSPC_JAX_WINDOW_OPS", ("auto", "windows", "xla"))
 _attention = _Switch("RSPC_JAX_ATTENTION", ("auto", "fused", "explicit"))
 _cpu_schedule = _Switch("RSPC_JAX_CPU_SCHEDULE", ("auto", "xla"))
 _batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
+_dense_gradient = _Switch("RSPC_JAX_DENSE_GRADIENT", ("auto", "layerwise", "xla"))
 
 
 def use_window_ops() -> bool:
@@ -174,6 +175,92 @@ def _sum_of_halves(x: jax.Array) -> jax.Array:
 _broadcast_summed_pairwise.defvjp(_broadcast_summed_pairwise_fwd, _broadcast_summed_pairwise_bwd)
 
 
+def _dense_dimensions(ndim: int):
+    return ((ndim - 1,), (0,)), ((), ())
+
+
+def linear(x: jax.Array, kernel: jax.Array, precision=None) -> jax.Array:
+    """x (..., in) @ kernel (in, out), a dense layer's product (`layers.dense`, 1x1 and
+    patch convolutions). On CPU its backward pass is `_linear_layerwise`'s.
+    `RSPC_JAX_DENSE_GRADIENT` = auto (default: layerwise on CPU, autodiff's elsewhere) |
+    layerwise | xla, or `dense_gradient_implementation(...)` in code. The same values to
+    float32 rounding (tests/test_layers.py)."""
+    choice = _dense_gradient.get()
+    if choice == "layerwise" or (choice == "auto" and jax.default_backend() == "cpu"):
+        return _linear_layerwise(x, kernel, precision)
+    return jax.lax.dot_general(x, kernel, _dense_dimensions(x.ndim), precision=precision)
+
+
+def dense_gradient_implementation(choice: str):
+    """Traces the models with dense gradients `choice` ('auto', 'layerwise', 'xla') in the
+    block."""
+    return _dense_gradient.override(choice)
+
+
+def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """`nn.Dense`'s `dot_general` argument: its product as `linear`."""
+    if dimension_numbers != _dense_dimensions(lhs.ndim) or preferred_element_type is not None:
+        raise ValueError(
+            f"dense_dot_general takes nn.Dense's product only (contracting the input's last "
+            f"axis with the kernel's first, no preferred element type), not "
+            f"{dimension_numbers} with {preferred_element_type}: call jax.lax.dot_general"
+        )
+    return linear(lhs, rhs, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _linear_layerwise(x: jax.Array, kernel: jax.Array, precision) -> jax.Array:
+    """`linear` with a backward pass written for XLA:CPU (docs/speed.md, "CPU: dense
+    layers' weight gradients (2026-12-02)"). Two things differ from autodiff's, neither a
+    value:
+    - The kernel's gradient contracts the tokens of the input and of the output's gradient.
+      XLA:CPU wrote it as a product with both operands transposed, which it hands to
+      Eigen, after copying the output's gradient into a transposed layout. Here the
+      narrower operand is transposed behind an optimization barrier (so XLA cannot fold the
+      transpose back) and the product is an untransposed one, which XLA gives YNNPACK.
+    - The input's gradient is made to depend on the kernel's (plus 0 x its sum, which XLA
+      does not fold away), so the memory-optimized schedule computes each layer's kernel
+      gradient before it moves on to the layer below, and frees that layer's input and
+      output gradient. Autodiff leaves the kernel gradients free to wait, and the
+      schedule kept them for the end of the backward pass (XLA's estimate of RVT-Ti*'s
+      RSPC step at batch 8: 1642 against 1492 MiB). A non-finite kernel gradient makes
+      the input's non-finite too; where the kernel takes no gradient (an attack's input
+      gradient) none is computed."""
+    return jax.lax.dot_general(x, kernel, _dense_dimensions(x.ndim), precision=precision)
+
+
+def _linear_layerwise_fwd(x, kernel, precision):
+    """Keeps only what the gradients asked for need: no input where the kernel takes no
+    gradient (an attack's input gradient), no kernel where the input takes none."""
+    y = jax.lax.dot_general(
+        x.value, kernel.value, _dense_dimensions(x.value.ndim), precision=precision
+    )
+    return y, (x.value if kernel.perturbed else None, kernel.value if x.perturbed else None)
+
+
+def _linear_layerwise_bwd(precision, residuals, grad):
+    x, kernel = residuals
+    if isinstance(grad, jax.custom_derivatives.SymbolicZero):
+        return None, None
+    grad_x = grad_kernel = None
+    if kernel is not None:
+        dimensions = (((grad.ndim - 1,), (1,)), ((), ()))
+        grad_x = jax.lax.dot_general(grad, kernel, dimensions, precision=precision)
+    if x is not None:
+        x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        barrier = jax.lax.optimization_barrier
+        if x.shape[1] <= grad.shape[1]:
+            grad_kernel = jnp.matmul(barrier(x.T), grad, precision=precision)
+        else:  # the transposed product, whose own transpose is a copy of the small kernel
+            grad_kernel = barrier(jnp.matmul(barrier(grad.T), x, precision=precision)).T
+    if grad_x is not None and grad_kernel is not None:
+        grad_x = grad_x + (jnp.sum(grad_kernel) * 0).astype(grad_x.dtype)
+    return grad_x, grad_kernel
+
+
+_linear_layerwise.defvjp(_linear_layerwise_fwd, _linear_layerwise_bwd, symbolic_zeros=True)
+
+
 def compiler_options() -> dict[str, str] | None:
     """XLA options for jitting the train and eval steps, read when they are jitted.
 
@@ -224,7 +311,7 @@ def conv_patches(x: jax.Array, kernel: jax.Array) -> jax.Array:
     patches = patches.transpose(0, 1, 3, 2, 4, 5).reshape(
         batch, height // size, width // size, size * size * channels
     )
-    return patches @ kernel.reshape(-1, kernel.shape[-1])
+    return linear(patches, kernel.reshape(-1, kernel.shape[-1]))
 
 
 def depthwise_conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
@@ -262,7 +349,7 @@ def conv_im2col(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> 
     if _non_overlapping(x, size, strides, padding):
         return conv_patches(x, kernel)
     patches = jnp.concatenate(_windows(x, size, strides, padding), axis=-1)
-    return patches @ kernel.reshape(-1, kernel.shape[-1])
+    return linear(patches, kernel.reshape(-1, kernel.shape[-1]))
 
 
 # On CPU, kernels of at least IMAGE_KERNEL on inputs of fewer than IMAGE_CHANNELS channels

@@ -203,7 +203,7 @@ class RVT(nn.Module):
             for tokens, attn in outputs:
                 layers.sow_block(self, tokens, attn, sow_attention)
         x = layers.LayerNorm(epsilon=LAYERNORM_EPS, name="norm")(x.mean(axis=(1, 2)))
-        return nn.Dense(
+        return layers.dense(
             self.num_classes, **layers.linear_init(widths[-1], torch_init=True), name="head"
         )(x)
 

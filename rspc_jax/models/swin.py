@@ -39,7 +39,7 @@ def _layer_norm(name: str) -> layers.LayerNorm:
 
 
 def _dense(features: int, name: str, use_bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, kernel_init=layers.dense_init, name=name)
+    return layers.dense(features, use_bias=use_bias, kernel_init=layers.dense_init, name=name)
 
 
 def window_and_shift(grid, window_size: int, shifted: bool):

@@ -135,7 +135,7 @@ class ViT(nn.Module):
             x = layers.LayerNorm(epsilon=self.layernorm_eps, name="fc_norm")(
                 (x * keep).sum(axis=1) / keep.sum(axis=1)
             )
-        return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
+        return layers.dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
 
     def _scanned_blocks(self, x, rates, mlp_dim, train, token_keep, sow_attention):
         """The blocks as one `lax.scan` of a single block over their stacked parameters.

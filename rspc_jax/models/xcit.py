@@ -146,7 +146,7 @@ class XCiT(nn.Module):
             )(x, train=train)
             layers.sow_class_attention(self, attn, sow_attention)
         x = fan._layer_norm("norm")(x)[:, 0]
-        return nn.Dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
+        return layers.dense(self.num_classes, kernel_init=layers.dense_init, name="head")(x)
 
 
 def _variant(

@@ -93,7 +93,11 @@ def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool
         "image": jax.ShapeDtypeStruct(image, np.float32, sharding=sharding),
         "label": jax.ShapeDtypeStruct((per_device_batch,), np.int32, sharding=sharding),
     }
-    with ops.implementation("xla"), ops.cpu_schedule("xla"):
+    with (
+        ops.implementation("xla"),
+        ops.cpu_schedule("xla"),
+        ops.dense_gradient_implementation("xla"),
+    ):
         model = setup.build_model(config, spec.num_classes)
         parts = setup.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
         state = jax.eval_shape(parts.init, jax.random.PRNGKey(0))
