@@ -267,10 +267,10 @@ def compiler_options() -> dict[str, str] | None:
     On CPU, the memory-optimized instruction schedule: XLA:CPU's default orders independent
     ops so that its threads can run them concurrently, which keeps their buffers alive
     together; with the memory schedule XLA's estimate of the train step at batch 8 falls
-    from 856 to 779 MiB for RVT-Ti* and from 957 to 937 MiB for DeiT-S (RSPC: 1625 to 1582),
+    from 857 to 710 MiB for RVT-Ti* (RSPC: 1575 to 1492) and from 957 to 900 MiB for DeiT-S
+    (RSPC: 1625 to 1496; docs/speed.md, "CPU: dense layers' weight gradients (2026-12-02)"),
     and the steps run as fast or faster on 2 cores (docs/speed.md, "CPU: the
-    memory-optimized schedule"). RVT-Ti*'s RSPC step is the exception, 1575 against 1642 MiB
-    (docs/speed.md, "CPU: the softmax's derivative and GELU's erf (2026-12-01)").
+    memory-optimized schedule").
     `RSPC_JAX_CPU_SCHEDULE` = auto (default) | xla (XLA's own schedule), or
     `cpu_schedule(...)` in code. Scheduling does not change any value."""
     if _cpu_schedule.get() == "auto" and jax.default_backend() == "cpu":
