@@ -86,6 +86,37 @@ def test_cpu_convs_of_images_take_the_image_form_from_5x5_kernels():
         assert "conv_general_dilated" not in traced(7, channels=4)
 
 
+def test_the_corrupted_half_s_image_gradient_skips_the_clean_half():
+    """RSPC puts [corrupted; clean] through the stem and differentiates the corrupted half
+    only: the compiled gradient then computes about half of the whole batch's image
+    gradient, with autodiff's values."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks XLA:CPU's compiled costs")
+    x, kernel = _input_and_kernel(32, 3, (7, 7, 3, 8))
+    x = jnp.concatenate([x, x[::-1] * 0.5])  # 4 images: 2 corrupted, 2 clean
+    target = jax.random.normal(jax.random.PRNGKey(3), (4, 15, 15, 8))
+
+    def loss(corrupted, clean, kernel, conv=ops.conv_image):
+        return jnp.sum(conv(jnp.concatenate([corrupted, clean]), kernel, 2, 2) * target)
+
+    def compiled(fn, argnums, *args):
+        return jax.jit(jax.grad(fn, argnums)).lower(*args).compile(ops.compiler_options())
+
+    halves = (x[:2], x[2:], kernel)
+    corrupted_only = compiled(loss, (0, 2), *halves)
+    kernel_only = compiled(loss, 2, *halves)
+    whole_batch = compiled(lambda x, k: loss(x[:2], x[2:], k), (0, 1), x, kernel)
+    flops = {
+        name: c.cost_analysis()["flops"]
+        for name, c in dict(half=corrupted_only, none=kernel_only, whole=whole_batch).items()
+    }
+    assert flops["half"] - flops["none"] < 0.6 * (flops["whole"] - flops["none"]), flops
+    expected = jax.grad(functools.partial(loss, conv=ops.conv_reference), (0, 2))(*halves)
+    for got, want in zip(corrupted_only(*halves), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(whole_batch(x, kernel)[0][:2], expected[0], rtol=1e-4, atol=1e-4)
+
+
 def test_non_overlapping_convs_are_a_matrix_product_on_every_backend():
     """Patch embeddings (and 1x1 convs) never reach XLA's convolution, whose input gradient
     XLA:GPU runs as a dilated convolution: the same values and gradients, no conv op."""
