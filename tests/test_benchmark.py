@@ -511,6 +511,30 @@ def test_side_by_side_rounds_start_from_released_memory(monkeypatch, capsys):
     assert "2 interleaved rounds of 2 steps each" in capsys.readouterr().out
 
 
+def test_side_by_side_prints_how_far_single_rounds_strayed(capsys):
+    """Each round's median against the reference's in the same round: the lowest and the
+    highest, so a table's ratio comes with the drift that interleaving did not remove."""
+    round_times = iter([0.1, 0.1, 0.3, 0.3])  # a warm-up and a timed call per round
+
+    def time_steps(count):
+        return [next(round_times)] * count, 1.0
+
+    reference = [sys.executable, "-c", "import json; print(json.dumps({'times': [0.2]}))"]
+    medians = benchmark.compare_side_by_side(
+        {"plain": {"time_steps": time_steps}}, {"plain": ("ref", reference)}, steps=1, rounds=2
+    )
+    assert medians == {"ref": 0.2, "plain": 0.2}
+    out = capsys.readouterr().out
+    assert "x reference in single rounds (lowest-highest): plain 0.50-1.50" in out, out
+    benchmark.compare_side_by_side(
+        {"plain": {"time_steps": lambda count: ([0.1] * count, 1.0)}},
+        {"plain": ("ref", reference)},
+        steps=1,
+        rounds=1,
+    )
+    assert "single rounds" not in capsys.readouterr().out  # one round has no spread
+
+
 def test_side_by_side_shows_device_memory_when_a_reference_reports_it(capsys):
     """A GPU reference reports its allocator's peak; the table then gets a device column."""
     record = "{'times': [0.2], 'peak_device_bytes': 3 * 2**20}"

@@ -354,21 +354,26 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
     `print_table` with `keep_timers`), and prints the medians over all rounds: each of our
     variants' time ratio to the reference of the same variant (else the first reference;
     < 1 = we are faster; with no reference at all, to our first variant), peak resident
-    memories and cores kept busy. Interleaving keeps the machine's drift (10-20% over
-    minutes on shared CPUs) out of the ratios."""
+    memories and cores kept busy, then how far each round's ratio strayed (lowest and
+    highest). Interleaving keeps the machine's drift (10-20% over minutes on shared CPUs)
+    out of the ratios; the spread shows what drift is left, which a single round's ratio
+    does not."""
     samples = {label: [] for label, _ in references.values()} | {name: [] for name in results}
     busy = {name: [] for name in samples}
+    round_medians = {name: [] for name in samples}
     records = {}
     host_memory.release_freed_memory()  # what the table freed since its steps: not theirs
     for _ in range(rounds):
         for label, command in references.values():
             records[label] = _run_reference(label, command)
             samples[label] += records[label]["times"]
+            round_medians[label].append(statistics.median(records[label]["times"]))
             busy[label].append(records[label].get("cores_busy"))
         for name, r in results.items():
             r["time_steps"](1)  # warm-up: the threads idled while the reference ran
             times, cores = r["time_steps"](steps)
             samples[name] += times
+            round_medians[name].append(statistics.median(times))
             busy[name].append(cores)
     medians = {name: statistics.median(times) for name, times in samples.items()}
     rss = {label: record.get("peak_rss_bytes") for label, record in records.items()}
@@ -420,8 +425,24 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
         "wall time of the timed steps."
         + (" device MiB: the peak of each process's device allocator." if device_column else "")
     )
+    _print_round_spread(round_medians, against)
     _print_rspc_ratios(medians, " over the rounds")
     return medians
+
+
+def _print_round_spread(round_medians: dict, against: dict) -> None:
+    """The lowest and highest of the rounds' time ratios (each round's median step against
+    its reference's in the same round), where there are several rounds."""
+    spread = {
+        name: [ours / theirs for ours, theirs in zip(times, round_medians[against[name]])]
+        for name, times in round_medians.items()
+        if against[name] != name and len(times) > 1
+    }
+    if spread:
+        print(
+            "x reference in single rounds (lowest-highest): "
+            + ", ".join(f"{name} {min(r):.2f}-{max(r):.2f}" for name, r in spread.items())
+        )
 
 
 def _print_rspc_ratios(seconds: dict, over: str = "") -> None:
