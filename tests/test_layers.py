@@ -115,6 +115,13 @@ def test_the_corrupted_half_s_image_gradient_skips_the_clean_half():
     for got, want in zip(corrupted_only(*halves), expected):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(whole_batch(x, kernel)[0][:2], expected[0], rtol=1e-4, atol=1e-4)
+    odd = x[:3]  # no halves: the whole batch's gradient at once
+    _assert_same_values_and_gradients(
+        lambda x, k: ops.conv_image(x, k, 2, 2),
+        lambda x, k: ops.conv_reference(x, k, 2, 2),
+        odd,
+        kernel,
+    )
 
 
 def test_non_overlapping_convs_are_a_matrix_product_on_every_backend():
