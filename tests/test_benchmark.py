@@ -206,8 +206,8 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 }
 """
 
-    def event(name, ns, **stats):
-        return Namespace(name=name, duration_ns=ns, stats=list(stats.items()))
+    def event(name, ns, start=0, **stats):
+        return Namespace(name=name, start_ns=start, duration_ns=ns, stats=list(stats.items()))
 
     def plane(name, *lines):
         return Namespace(name=name, lines=[Namespace(name=n, events=e) for n, e in lines])
@@ -242,6 +242,42 @@ ENTRY %main (x: f32[4]) -> f32[4] {
         plane("/host:CPU", ("tf_XLAEigen", [event("loop_add_fusion.3", 10**6), event("main", 1)]))
     ]
     assert [r["name"] for r in profiling.sum_ops(cpu, hlo, steps=1)] == ["loop_add_fusion.3"]
+
+
+def test_cpu_op_times_split_the_wall_time_among_the_ops_running_at_once():
+    """XLA:CPU runs ops on several threads: one op may run on two threads at once (a matrix
+    product split in two) and two ops may overlap (independent ops). Each op's time is its
+    share of the wall time: its events merged over threads, each instant split evenly among
+    the ops running then, so the rows add up to the time some op ran and none counts twice."""
+    from types import SimpleNamespace as Namespace
+
+    hlo = """HloModule m
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  %add.1 = f32[4]{0} add(%x, %x)
+  %multiply.2 = f32[4]{0} multiply(%x, %x)
+  ROOT %dot.3 = f32[4]{0} dot(%add.1, %multiply.2)
+}
+"""
+    ms = 10**6
+
+    def event(name, start_ms, end_ms):
+        return Namespace(name=name, start_ns=start_ms * ms, duration_ns=(end_ms - start_ms) * ms)
+
+    threads = [
+        ("tf_XLAEigen/1", [event("add.1", 0, 10), event("dot.3", 20, 30)]),
+        ("tf_XLAEigen/2", [event("multiply.2", 5, 15), event("dot.3", 20, 29)]),
+    ]
+    planes = [Namespace(name="/host:CPU", lines=[Namespace(name=n, events=e) for n, e in threads])]
+    rows = {r["name"]: r for r in profiling.sum_ops(planes, hlo, steps=1, count=None)}
+    assert {n: r["ms_per_step"] for n, r in rows.items()} == {
+        "add.1": 7.5,
+        "multiply.2": 7.5,
+        "dot.3": 10.0,
+    }
+    assert rows["dot.3"]["calls_per_step"] == 1  # one call, on two threads
+    assert abs(sum(r["share"] for r in rows.values()) - 1.0) < 1e-9
 
 
 def test_op_time_by_layer_and_rspcs_time_beyond_twice_plain():
