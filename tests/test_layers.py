@@ -56,7 +56,7 @@ IMAGE_CASES = {  # inputs of fewer than 4 channels, for ops.conv_image
 CONV_FORMS = {  # name: (CPU form, its cases)
     "im2col": (ops.conv_im2col, DENSE_CASES),
     "blocks": (ops.conv_space_to_depth, DENSE_CASES),
-    "image": (ops.conv_image, IMAGE_CASES),  # XLA's conv on 4 channels, gradient by blocks
+    "image": (ops.conv_image, IMAGE_CASES),  # XLA's conv on 4 channels, gradients by hand
 }
 
 
@@ -72,6 +72,23 @@ def test_cpu_convolution_forms_equal_xla_convolution(form, case):
         lambda x, k: ops.conv_reference(x, k, strides, padding),
         x,
         kernel,
+    )
+
+
+@pytest.mark.parametrize("batch", [17, 35])
+def test_the_image_conv_s_kernel_gradient_over_more_images_than_products(batch):
+    """Past `_KERNEL_GRADIENT_PARTS` images the kernel gradient takes several images per
+    product (17: 9 parts of 2, the last of 1; 35: 12 parts of 3, the last of 2)."""
+    key_x, key_k, key_t = jax.random.split(jax.random.PRNGKey(5), 3)
+    x = jax.random.normal(key_x, (batch, 11, 11, 3))
+    kernel = jax.random.normal(key_k, (5, 5, 3, 4))
+    target = jax.random.normal(key_t, (batch, 5, 5, 4))
+
+    def kernel_gradient(conv):
+        return jax.grad(lambda k: jnp.sum(conv(x, k, 2, 1) * target))(kernel)
+
+    np.testing.assert_allclose(
+        kernel_gradient(ops.conv_image), kernel_gradient(ops.conv_reference), rtol=1e-4, atol=1e-4
     )
 
 

@@ -361,10 +361,11 @@ IMAGE_CHANNELS, IMAGE_KERNEL = 4, 5
 def conv_image(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
     """A large-kernel conv of an input with few channels (RVT's 7x7/2 RGB stem) on CPU.
 
-    Forward and kernel gradient are XLA's convolution of the input zero-padded to
-    `IMAGE_CHANNELS` channels: Eigen's convolution runs 3 channels far slower than 4 (RVT's
-    stem at batch 8: 45 against 13 ms), and then beats im2col, which writes out a k*k-fold
-    copy of the images (at 3x3, XCiT's stem, im2col stays faster). The images' gradient,
+    The forward is XLA's convolution of the input zero-padded to `IMAGE_CHANNELS` channels:
+    Eigen's convolution runs 3 channels far slower than 4 (RVT's stem at batch 8: 45 against
+    13 ms), and then beats im2col, which writes out a k*k-fold copy of the images (at 3x3,
+    XCiT's stem, im2col stays faster). The kernel gradient is `_conv_kernel_gradient`'s
+    products image by image. The images' gradient,
     which RSPC's corruption model needs, is the transpose of `conv_space_to_depth`: XLA's
     transposed convolution and im2col's k*k overlapping adds back into the images are both
     slower (docs/speed.md, "CPU: the stem on images (2026-12-01)")."""
@@ -384,7 +385,6 @@ def _conv_image_fwd(x, kernel, strides, padding):
 
 def _conv_image_bwd(strides, padding, residuals, grad):
     x, kernel = residuals
-    _, kernel_vjp = jax.vjp(lambda k: _conv_channels_padded(x, k, strides, padding), kernel)
     # The images' gradient of each half of the batch on its own: where one half's is dropped
     # (RSPC's clean images, concatenated after the corrupted ones, take none), XLA removes
     # its computation (RVT-Ti*'s RSPC step at batch 8: 1.2 GFLOP and 54 MiB fewer;
@@ -395,10 +395,40 @@ def _conv_image_bwd(strides, padding, residuals, grad):
         lambda x: conv_space_to_depth(x, kernel, strides, padding), x[: x.shape[0] // parts]
     )
     grad_x = jnp.concatenate([transpose(g)[0] for g in jnp.split(grad, parts)])
-    return grad_x, kernel_vjp(grad)[0]
+    return grad_x, _conv_kernel_gradient(x, grad, kernel.shape[0], strides, padding)
 
 
 conv_image.defvjp(_conv_image_fwd, _conv_image_bwd)
+
+# The most products `_conv_kernel_gradient` unrolls: larger batches take several images each.
+_KERNEL_GRADIENT_PARTS = 16
+
+
+def _conv_kernel_gradient(x, grad, size: int, strides: int, padding: int) -> jax.Array:
+    """The kernel gradient of a conv on images: per image, its gathered windows (im2col)
+    times its output gradient, summed over the images. XLA:CPU's own (a convolution with an
+    output-sized window: 111 x 111 for RVT's stem) took 32 against 14 ms at batch 8, and
+    im2col of the whole batch at once 30 ms (docs/speed.md, "CPU: the stem's kernel
+    gradient, one image at a time (2026-12-02, Sapphire Rapids)")."""
+    batch, out_height, out_width, features = grad.shape
+    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    per_part = -(-batch // _KERNEL_GRADIENT_PARTS)
+    total = None
+    for start in range(0, batch, per_part):
+        images = slice(start, start + per_part)
+        windows = [
+            x[
+                images,
+                i : i + strides * (out_height - 1) + 1 : strides,
+                j : j + strides * (out_width - 1) + 1 : strides,
+            ]
+            for i in range(size)
+            for j in range(size)
+        ]
+        patches = jnp.stack(windows, -2).reshape(-1, size * size * x.shape[-1])
+        part = patches.T @ grad[images].reshape(-1, features)
+        total = part if total is None else total + part
+    return total.reshape(size, size, x.shape[-1], features)
 
 
 def conv_space_to_depth(x: jax.Array, kernel: jax.Array, strides: int, padding: int):
