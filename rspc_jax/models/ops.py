@@ -407,25 +407,25 @@ _KERNEL_GRADIENT_PARTS = 16
 def _conv_kernel_gradient(x, grad, size: int, strides: int, padding: int) -> jax.Array:
     """The kernel gradient of a conv on images: per image, its gathered windows (im2col)
     times its output gradient, summed over the images. XLA:CPU's own (a convolution with an
-    output-sized window: 111 x 111 for RVT's stem) took 32 against 14 ms at batch 8, and
-    im2col of the whole batch at once 30 ms (docs/speed.md, "CPU: the stem's kernel
-    gradient, one image at a time (2026-12-02, Sapphire Rapids)")."""
+    output-sized window: 111 x 111 for RVT's stem) took 32-38 against 11-15 ms at batch 8,
+    and im2col of the whole batch at once 30 ms. The windows are gathered kernel row by
+    kernel row: one gather of all k*k windows per image took 3 times the compile memory
+    (docs/speed.md, "CPU: the stem's kernel gradient, one image at a time (2026-12-02,
+    Sapphire Rapids)")."""
     batch, out_height, out_width, features = grad.shape
     x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
     per_part = -(-batch // _KERNEL_GRADIENT_PARTS)
+    height, width = strides * (out_height - 1) + 1, strides * (out_width - 1) + 1
     total = None
     for start in range(0, batch, per_part):
-        images = slice(start, start + per_part)
-        windows = [
-            x[
-                images,
-                i : i + strides * (out_height - 1) + 1 : strides,
-                j : j + strides * (out_width - 1) + 1 : strides,
-            ]
-            for i in range(size)
-            for j in range(size)
-        ]
-        patches = jnp.stack(windows, -2).reshape(-1, size * size * x.shape[-1])
+        # An image by its index: its gathers without a batch axis of one ran twice as fast.
+        images = start if per_part == 1 else slice(start, start + per_part)
+        rows = []
+        for i in range(size):
+            row = x[images, ..., i : i + height : strides, :, :]
+            taps = [row[..., j : j + width : strides, :] for j in range(size)]
+            rows.append(jnp.stack(taps, -2))
+        patches = jnp.stack(rows, -3).reshape(-1, size * size * x.shape[-1])
         part = patches.T @ grad[images].reshape(-1, features)
         total = part if total is None else total + part
     return total.reshape(size, size, x.shape[-1], features)
