@@ -426,9 +426,12 @@ def _conv_kernel_gradient(x, grad, size: int, strides: int, padding: int) -> jax
             taps = [row[..., j : j + width : strides, :] for j in range(size)]
             rows.append(jnp.stack(taps, -2))
         patches = jnp.stack(rows, -3).reshape(-1, size * size * x.shape[-1])
-        part = patches.T @ grad[images].reshape(-1, features)
+        # Summed in float32 whatever the compute dtype, as one convolution would accumulate.
+        part = jnp.matmul(
+            patches.T, grad[images].reshape(-1, features), preferred_element_type=jnp.float32
+        )
         total = part if total is None else total + part
-    return total.reshape(size, size, x.shape[-1], features)
+    return total.reshape(size, size, x.shape[-1], features).astype(grad.dtype)
 
 
 def conv_space_to_depth(x: jax.Array, kernel: jax.Array, strides: int, padding: int):
