@@ -321,18 +321,18 @@ def depthwise_conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) 
 
 
 def _windows(x: jax.Array, size: int, strides: int, padding: int, pad_value=0.0):
-    """The size*size strided views of x (NHWC) whose elementwise combination is a
-    size x size window op (conv, pooling), in kernel (row, column) order."""
-    height = (x.shape[1] + 2 * padding - size) // strides + 1
-    width = (x.shape[2] + 2 * padding - size) // strides + 1
-    x = jnp.pad(
-        x, ((0, 0), (padding, padding), (padding, padding), (0, 0)), constant_values=pad_value
-    )
+    """The size*size strided views of x (NHWC, or HWC: one image) whose elementwise
+    combination is a size x size window op (conv, pooling), in kernel (row, column) order."""
+    height = (x.shape[-3] + 2 * padding - size) // strides + 1
+    width = (x.shape[-2] + 2 * padding - size) // strides + 1
+    spatial = ((padding, padding), (padding, padding), (0, 0))
+    x = jnp.pad(x, ((0, 0),) * (x.ndim - 3) + spatial, constant_values=pad_value)
     return [
         x[
-            :,
+            ...,
             i : i + strides * (height - 1) + 1 : strides,
             j : j + strides * (width - 1) + 1 : strides,
+            :,
         ]
         for i in range(size)
         for j in range(size)
@@ -412,25 +412,22 @@ def _conv_kernel_gradient(x, grad, size: int, strides: int, padding: int) -> jax
     kernel row: one gather of all k*k windows per image took 3 times the compile memory
     (docs/speed.md, "CPU: the stem's kernel gradient, one image at a time (2026-12-02,
     Sapphire Rapids)")."""
-    batch, out_height, out_width, features = grad.shape
-    x = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    batch, features = grad.shape[0], grad.shape[-1]
     per_part = -(-batch // _KERNEL_GRADIENT_PARTS)
-    height, width = strides * (out_height - 1) + 1, strides * (out_width - 1) + 1
-    total = None
+    parts = []
     for start in range(0, batch, per_part):
         # An image by its index: its gathers without a batch axis of one ran twice as fast.
         images = start if per_part == 1 else slice(start, start + per_part)
-        rows = []
-        for i in range(size):
-            row = x[images, ..., i : i + height : strides, :, :]
-            taps = [row[..., j : j + width : strides, :] for j in range(size)]
-            rows.append(jnp.stack(taps, -2))
+        windows = _windows(x[images], size, strides, padding)
+        rows = [jnp.stack(windows[i * size : (i + 1) * size], -2) for i in range(size)]
         patches = jnp.stack(rows, -3).reshape(-1, size * size * x.shape[-1])
         # Summed in float32 whatever the compute dtype, as one convolution would accumulate.
-        part = jnp.matmul(
-            patches.T, grad[images].reshape(-1, features), preferred_element_type=jnp.float32
+        parts.append(
+            jnp.matmul(
+                patches.T, grad[images].reshape(-1, features), preferred_element_type=jnp.float32
+            )
         )
-        total = part if total is None else total + part
+    total = functools.reduce(jnp.add, parts)
     return total.reshape(size, size, x.shape[-1], features).astype(grad.dtype)
 
 
