@@ -40,7 +40,9 @@ that reach the config's global batch there (rspc_jax.tools.memory_plan).
 `--compile_only` compiles each variant without running it and prints the compile times,
 FLOPs and XLA's memory estimates; with JAX_COMPILATION_CACHE_DIR set it fills that cache,
 so that several configs can compile at once on a many-core host before they are timed one
-at a time (launch/benchmark_accelerator.sh).
+at a time (launch/benchmark_accelerator.sh). On CPU the steps' oneDNN products keep them out of
+that cache; `RSPC_JAX_CPU_PRODUCTS=xla` compiles them with jaxlib's default products, which it
+stores.
 """
 
 import os

@@ -1,9 +1,11 @@
 """The train step and loop: ascent/descent signs, resume, errors, the demo end to end."""
 
+import collections
 import contextlib
 import functools
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -352,6 +354,33 @@ def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_
     leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
     for a, b in zip(leaves_auto, leaves_xla, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_on_cpu_the_train_step_runs_onednn_s_products_which_agree_to_float32_rounding(
+    digits_data_dir,
+):
+    """oneDNN's products (`ops.compiler_options`, the default on CPU) reach the compile of the
+    RSPC step, each product alone (its fused form crashes XLA:CPU, docs/speed.md), and the
+    step's new state and metrics agree with jaxlib's default products to float32 rounding."""
+    config = smoke_config(digits_data_dir)
+    spec = datasets.dataset_spec(config.dataset)
+    mesh = parallel.create_mesh()
+    batch = parallel.to_global(first_batches(config)[0], mesh)
+    results = {}
+    for choice in ("auto", "xla"):  # the suite runs with "xla" (tests/conftest.py)
+        with ops.cpu_products(choice):
+            model = setup.build_model(config, spec.num_classes)
+            parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
+        state = parts.init(jax.random.PRNGKey(0))
+        compiled = parts.train_step.lower(state, batch).compile()
+        fusions = re.findall(r'"kind":"(__\w+_fusion)"', compiled.as_text())
+        new_state, metrics = compiled(state, batch)
+        results[choice] = collections.Counter(fusions), jax.device_get((new_state, metrics))
+    assert results["auto"][0]["__onednn_fusion"] > 0, results["auto"][0]
+    assert results["xla"][0]["__onednn_fusion"] == 0, results["xla"][0]
+    leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
+    for a, b in zip(leaves_auto, leaves_xla, strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-6)
 
 
 def test_the_state_initialiser_keeps_no_compiled_program(digits_data_dir):

@@ -2,7 +2,8 @@
 every backend: window ops (dense and depthwise convolution, max-pooling), attention whose maps
 are not needed (`use_fused_attention`), the gradient of a parameter shared by every example
 (`broadcast_over_batch`), the backward pass of a dense layer's product (`linear`), and
-XLA:CPU's instruction schedule for the jitted steps (`compiler_options`).
+XLA:CPU's instruction schedule and matrix-product library for the jitted steps
+(`compiler_options`).
 
 XLA:CPU runs convolutions, grouped convolutions and the pooling gradient far slower than
 matrix products and elementwise ops, so on CPU these ops are written as gathered windows
@@ -57,6 +58,7 @@ class _Switch:
 _window_ops = _Switch("RSPC_JAX_WINDOW_OPS", ("auto", "windows", "xla"))
 _attention = _Switch("RSPC_JAX_ATTENTION", ("auto", "fused", "explicit"))
 _cpu_schedule = _Switch("RSPC_JAX_CPU_SCHEDULE", ("auto", "xla"))
+_cpu_products = _Switch("RSPC_JAX_CPU_PRODUCTS", ("auto", "xla"))
 _batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
 _dense_gradient = _Switch("RSPC_JAX_DENSE_GRADIENT", ("auto", "layerwise", "xla"))
 
@@ -261,26 +263,43 @@ def _linear_layerwise_bwd(precision, residuals, grad):
 _linear_layerwise.defvjp(_linear_layerwise_fwd, _linear_layerwise_bwd, symbolic_zeros=True)
 
 
-def compiler_options() -> dict[str, str] | None:
+def compiler_options() -> dict[str, str | bool] | None:
     """XLA options for jitting the train and eval steps, read when they are jitted.
 
-    On CPU, the memory-optimized instruction schedule: XLA:CPU's default orders independent
-    ops so that its threads can run them concurrently, which keeps their buffers alive
-    together; with the memory schedule XLA's estimate of the train step at batch 8 falls
-    from 857 to 710 MiB for RVT-Ti* (RSPC: 1575 to 1492) and from 957 to 900 MiB for DeiT-S
-    (RSPC: 1625 to 1496; docs/speed.md, "CPU: dense layers' weight gradients (2026-12-02)"),
-    and the steps run as fast or faster on 2 cores (docs/speed.md, "CPU: the
-    memory-optimized schedule").
-    `RSPC_JAX_CPU_SCHEDULE` = auto (default) | xla (XLA's own schedule), or
-    `cpu_schedule(...)` in code. Scheduling does not change any value."""
-    if _cpu_schedule.get() == "auto" and jax.default_backend() == "cpu":
-        return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
-    return None
+    On CPU, two choices, each with its own switch:
+    - The memory-optimized instruction schedule: XLA:CPU's default orders independent ops so
+      that its threads can run them concurrently, which keeps their buffers alive together;
+      with the memory schedule XLA's estimate of the train step at batch 8 falls from 857
+      to 710 MiB for RVT-Ti* (RSPC: 1575 to 1492) and from 957 to 900 MiB for DeiT-S (RSPC:
+      1625 to 1496; docs/speed.md, "CPU: dense layers' weight gradients (2026-12-02)"), and
+      the steps run as fast or faster on 2 cores (docs/speed.md, "CPU: the memory-optimized
+      schedule"). `RSPC_JAX_CPU_SCHEDULE` = auto (default) | xla (XLA's own schedule), or
+      `cpu_schedule(...)` in code. Scheduling does not change any value.
+    - oneDNN's matrix products, each product alone: jaxlib's default library (YNNPACK) runs
+      a batched product (attention's) on one thread, oneDNN on all cores. Only products
+      alone: oneDNN's products fused with elementwise ops crash XLA:CPU on RVT*'s attention
+      (jaxlib 0.10.2). `RSPC_JAX_CPU_PRODUCTS` = auto (default: oneDNN) | xla (jaxlib's
+      default), or `cpu_products(...)` in code. The products agree to float32
+      rounding (docs/speed.md, "CPU: oneDNN's products for the steps (2026-12-02)")."""
+    if jax.default_backend() != "cpu":
+        return None
+    options = {}
+    if _cpu_schedule.get() == "auto":
+        options["xla_cpu_scheduler_type"] = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+    if _cpu_products.get() == "auto":
+        options["xla_cpu_use_onednn"] = True
+        options["xla_cpu_experimental_onednn_fusion_type"] = "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
+    return options or None
 
 
 def cpu_schedule(choice: str):
     """Jits the steps with XLA:CPU schedule `choice` ('auto', 'xla') in the block."""
     return _cpu_schedule.override(choice)
+
+
+def cpu_products(choice: str):
+    """Jits the steps with XLA:CPU's products `choice` ('auto', 'xla') in the block."""
+    return _cpu_products.override(choice)
 
 
 def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:

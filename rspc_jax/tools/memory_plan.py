@@ -5,9 +5,10 @@ accumulation steps then reach the config's global batch on a slice (the library 
 The measure is XLA's memory analysis of the compiled train step (`benchmark.compiled_bytes`):
 the step as training jits it, on a mesh of one device, lowered from abstract state so that
 nothing is allocated, with the accelerators' window ops (XLA's convolutions, not the CPU's
-im2col forms, whose gathered windows would inflate the estimate) and XLA's own schedule, not
+im2col forms, whose gathered windows would inflate the estimate), XLA's own schedule, not
 the memory-optimized one that steps run with on CPU (`ops.compiler_options`), whose estimate
-is smaller: the accelerators schedule with their own compilers. It is compiled by XLA:CPU
+is smaller (the accelerators schedule with their own compilers), and XLA's own products, not
+the CPU steps' oneDNN ones. It is compiled by XLA:CPU
 wherever this runs, with XLA_FLAGS below, whose buffer assignment is not the TPU's or GPU's:
 those pad layouts to their tiles, fuse differently and need workspace. The numbers are
 estimates, which is why the budget is a fraction (`headroom`) of the device's memory.
@@ -96,6 +97,7 @@ def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool
     with (
         ops.implementation("xla"),
         ops.cpu_schedule("xla"),
+        ops.cpu_products("xla"),
         ops.dense_gradient_implementation("xla"),
     ):
         model = setup.build_model(config, spec.num_classes)
