@@ -8,10 +8,10 @@ nothing is allocated, with the accelerators' window ops (XLA's convolutions, not
 im2col forms, whose gathered windows would inflate the estimate), XLA's own schedule, not
 the memory-optimized one that steps run with on CPU (`ops.compiler_options`), whose estimate
 is smaller (the accelerators schedule with their own compilers), and XLA's own products, not
-the CPU steps' oneDNN ones. It is compiled by XLA:CPU
-wherever this runs, with XLA_FLAGS below, whose buffer assignment is not the TPU's or GPU's:
-those pad layouts to their tiles, fuse differently and need workspace. The numbers are
-estimates, which is why the budget is a fraction (`headroom`) of the device's memory.
+the CPU steps' oneDNN ones. It is compiled by XLA:CPU wherever this runs, with XLA_FLAGS
+below, whose buffer assignment is not the TPU's or GPU's: those pad layouts to their tiles,
+fuse differently and need workspace. The numbers are estimates, which is why the budget is a
+fraction (`headroom`) of the device's memory.
 """
 
 import functools
