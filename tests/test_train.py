@@ -328,6 +328,24 @@ def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
     assert events[-1] == "release"  # after the last step's evaluation compiled the eval steps
 
 
+def _rspc_step_both_ways(digits_data_dir, switch):
+    """The smoke RSPC step compiled under `switch('auto')` and `switch('xla')`: for each
+    choice, the compiled step and its new state and metrics on the host."""
+    config = smoke_config(digits_data_dir)
+    spec = datasets.dataset_spec(config.dataset)
+    mesh = parallel.create_mesh()
+    batch = parallel.to_global(first_batches(config)[0], mesh)
+    results = {}
+    for choice in ("auto", "xla"):
+        with switch(choice):
+            model = setup.build_model(config, spec.num_classes)
+            parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
+        state = parts.init(jax.random.PRNGKey(0))
+        compiled = parts.train_step.lower(state, batch).compile()
+        results[choice] = compiled, jax.device_get(compiled(state, batch))
+    return results
+
+
 def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_no_value(
     digits_data_dir,
 ):
@@ -336,21 +354,9 @@ def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_
     which is smaller depends on the model and size: docs/speed.md, "CPU: the softmax's
     derivative and GELU's erf (2026-12-01)"), and its new state and metrics are bitwise the
     same."""
-    config = smoke_config(digits_data_dir)
-    spec = datasets.dataset_spec(config.dataset)
-    mesh = parallel.create_mesh()
-    batch = parallel.to_global(first_batches(config)[0], mesh)
-    results = {}
-    for choice in ("auto", "xla"):
-        with ops.cpu_schedule(choice):
-            model = setup.build_model(config, spec.num_classes)
-            parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
-        state = parts.init(jax.random.PRNGKey(0))
-        compiled = parts.train_step.lower(state, batch).compile()
-        new_state, metrics = compiled(state, batch)
-        temp_bytes = compiled.memory_analysis().temp_size_in_bytes
-        results[choice] = temp_bytes, jax.device_get((new_state, metrics))
-    assert results["auto"][0] != results["xla"][0], (results["auto"][0], results["xla"][0])
+    results = _rspc_step_both_ways(digits_data_dir, ops.cpu_schedule)
+    temp = {c: results[c][0].memory_analysis().temp_size_in_bytes for c in results}
+    assert temp["auto"] != temp["xla"], (temp["auto"], temp["xla"])
     leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
     for a, b in zip(leaves_auto, leaves_xla, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -359,25 +365,17 @@ def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_
 def test_on_cpu_the_train_step_runs_onednn_s_products_which_agree_to_float32_rounding(
     digits_data_dir,
 ):
-    """oneDNN's products (`ops.compiler_options`, the default on CPU) reach the compile of the
-    RSPC step, each product alone (its fused form crashes XLA:CPU, docs/speed.md), and the
-    step's new state and metrics agree with jaxlib's default products to float32 rounding."""
-    config = smoke_config(digits_data_dir)
-    spec = datasets.dataset_spec(config.dataset)
-    mesh = parallel.create_mesh()
-    batch = parallel.to_global(first_batches(config)[0], mesh)
-    results = {}
-    for choice in ("auto", "xla"):  # the suite runs with "xla" (tests/conftest.py)
-        with ops.cpu_products(choice):
-            model = setup.build_model(config, spec.num_classes)
-            parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
-        state = parts.init(jax.random.PRNGKey(0))
-        compiled = parts.train_step.lower(state, batch).compile()
-        fusions = re.findall(r'"kind":"(__\w+_fusion)"', compiled.as_text())
-        new_state, metrics = compiled(state, batch)
-        results[choice] = collections.Counter(fusions), jax.device_get((new_state, metrics))
-    assert results["auto"][0]["__onednn_fusion"] > 0, results["auto"][0]
-    assert results["xla"][0]["__onednn_fusion"] == 0, results["xla"][0]
+    """oneDNN's products (`ops.compiler_options`, the default on CPU; the suite runs with
+    jaxlib's, tests/conftest.py) reach the compile of the RSPC step, each product alone (its
+    fused form crashes XLA:CPU, docs/speed.md), and the step's new state and metrics agree
+    with jaxlib's default products to float32 rounding."""
+    results = _rspc_step_both_ways(digits_data_dir, ops.cpu_products)
+    fusions = {
+        c: collections.Counter(re.findall(r'"kind":"(__\w+_fusion)"', results[c][0].as_text()))
+        for c in results
+    }
+    assert fusions["auto"]["__onednn_fusion"] > 0, fusions["auto"]
+    assert fusions["xla"]["__onednn_fusion"] == 0, fusions["xla"]
     leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
     for a, b in zip(leaves_auto, leaves_xla, strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=1e-4, atol=1e-6)
