@@ -569,6 +569,24 @@ def test_layerwise_dense_gradient_is_autodiff_s(features):
         assert x.shape not in kept and kernel.shape in kept
 
 
+@pytest.mark.parametrize("widths", [(5, 4), (4, 9)])  # (k, n): b's gradient both ways
+def test_untransposed_batched_gradient_is_autodiff_s_without_transposed_products(widths):
+    """`ops.batched_matmul`'s CPU backward (attention's products with oneDNN's products):
+    the same values and gradients as autodiff's, and no compiled product contracts the
+    second-to-last axis of its first operand (a transposed operand, which oneDNN runs
+    slower)."""
+    k, n = widths
+    a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 6, k))
+    b = jax.random.normal(jax.random.PRNGKey(1), (2, 3, k, n))
+    with ops.batched_gradient_implementation("untransposed"), ops.cpu_products("auto"):
+        _assert_same_values_and_gradients(ops.batched_matmul, jnp.matmul, a, b)
+        grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(ops.batched_matmul(a, b))), (0, 1)))
+        hlo = grad.lower(a, b).compile(ops.compiler_options()).as_text()
+    transposed = [line for line in hlo.splitlines() if "lhs_contracting_dims={2}" in line]
+    assert not transposed, transposed
+    assert "lhs_contracting_dims={3}" in hlo
+
+
 def test_dense_layers_use_the_backends_product_with_the_same_parameters():
     """`layers.dense` is `nn.Dense` with `ops.linear`: the same parameter tree and values;
     any other contraction is refused with a message naming the fix."""

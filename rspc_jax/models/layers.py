@@ -261,7 +261,7 @@ class Attention(nn.Module):
             ).reshape(batch, tokens, dim)
             out = dense(dim, **init, name="proj")(out)
             return nn.Dropout(self.dropout, deterministic=not train)(out), None
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k) * head_dim**-0.5
+        logits = ops.batched_matmul(q, jnp.swapaxes(k, -1, -2)) * head_dim**-0.5
         if self.paas:
             scale = jax.nn.sigmoid(self._att_mask(tokens)).astype(logits.dtype)
             logits = logits * ops.broadcast_over_batch(scale, batch)
@@ -269,7 +269,7 @@ class Attention(nn.Module):
             logits = logits + bias.astype(logits.dtype)
         attn = _softmax(logits.astype(jnp.float32), key_keep).astype(x.dtype)
         attn_dropped = nn.Dropout(self.dropout, deterministic=not train)(attn)
-        out = jnp.einsum("bhqk,bhkd->bhqd", attn_dropped, v)
+        out = ops.batched_matmul(attn_dropped, v)
         out = out.transpose(0, 2, 1, 3).reshape(batch, tokens, dim)
         out = dense(dim, **init, name="proj")(out)
         return nn.Dropout(self.dropout, deterministic=not train)(out), attn

@@ -61,6 +61,7 @@ _cpu_schedule = _Switch("RSPC_JAX_CPU_SCHEDULE", ("auto", "xla"))
 _cpu_products = _Switch("RSPC_JAX_CPU_PRODUCTS", ("auto", "xla"))
 _batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
 _dense_gradient = _Switch("RSPC_JAX_DENSE_GRADIENT", ("auto", "layerwise", "xla"))
+_batched_gradient = _Switch("RSPC_JAX_BATCHED_GRADIENT", ("auto", "untransposed", "xla"))
 
 
 def use_window_ops() -> bool:
@@ -250,17 +251,69 @@ def _linear_layerwise_bwd(precision, residuals, grad):
         grad_x = jax.lax.dot_general(grad, kernel, dimensions, precision=precision)
     if x is not None:
         x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        barrier = jax.lax.optimization_barrier
-        if x.shape[1] <= grad.shape[1]:
-            grad_kernel = jnp.matmul(barrier(x.T), grad, precision=precision)
-        else:  # the transposed product, whose own transpose is a copy of the small kernel
-            grad_kernel = barrier(jnp.matmul(barrier(grad.T), x, precision=precision)).T
+        grad_kernel = _transposed_product(x, grad, precision)
     if grad_x is not None and grad_kernel is not None:
         grad_x = grad_x + (jnp.sum(grad_kernel) * 0).astype(grad_x.dtype)
     return grad_x, grad_kernel
 
 
 _linear_layerwise.defvjp(_linear_layerwise_fwd, _linear_layerwise_bwd, symbolic_zeros=True)
+
+
+def _transposed_product(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
+    """a^T @ b over any leading batch axes (contracting the second-to-last axis of both)
+    as a product of untransposed operands: the narrower one is transposed behind an
+    optimization barrier, and so is the result, so that XLA cannot fold the transposes
+    back into a product with a transposed operand, which XLA:CPU runs slower (Eigen's
+    under jaxlib's default products; oneDNN's batched ones at 1.8 times the time)."""
+    barrier = jax.lax.optimization_barrier
+    swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
+    if a.shape[-1] <= b.shape[-1]:
+        return barrier(jnp.matmul(barrier(swap(a)), b, precision=precision))
+    # the transposed product, whose own transpose is a copy of the small result
+    return swap(barrier(jnp.matmul(barrier(swap(b)), a, precision=precision)))
+
+
+def batched_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a (..., m, k) @ b (..., k, n) over leading batch axes: attention's two products.
+    With oneDNN's products on CPU (`cpu_products`) the gradient of b is
+    `_transposed_product`'s: autodiff's contracts the tokens of a and of the output's
+    gradient, a product with a transposed operand, which oneDNN ran at 1.8 times the time
+    of the untransposed one (8 x 6 x 196 x 196 by 196 x 32; docs/speed.md, "CPU:
+    attention's gradients without transposed products (2026-12-02, Zen 4)"). The same
+    values to float32 rounding (tests/test_layers.py). `RSPC_JAX_BATCHED_GRADIENT` = auto
+    (default: untransposed with oneDNN's products on CPU, autodiff's elsewhere) |
+    untransposed | xla, or `batched_gradient_implementation(...)` in code."""
+    choice = _batched_gradient.get()
+    on_onednn = jax.default_backend() == "cpu" and _cpu_products.get() == "auto"
+    if choice == "untransposed" or (choice == "auto" and on_onednn):
+        return _batched_matmul_untransposed(a, b)
+    return jnp.matmul(a, b)
+
+
+def batched_gradient_implementation(choice: str):
+    """Traces the models with batched products' gradients `choice` ('auto', 'untransposed',
+    'xla') in the block."""
+    return _batched_gradient.override(choice)
+
+
+@jax.custom_vjp
+def _batched_matmul_untransposed(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b)
+
+
+def _batched_matmul_untransposed_fwd(a, b):
+    return jnp.matmul(a, b), (a, b)
+
+
+def _batched_matmul_untransposed_bwd(residuals, grad):
+    a, b = residuals
+    return jnp.matmul(grad, jnp.swapaxes(b, -1, -2)), _transposed_product(a, grad)
+
+
+_batched_matmul_untransposed.defvjp(
+    _batched_matmul_untransposed_fwd, _batched_matmul_untransposed_bwd
+)
 
 
 def compiler_options() -> dict[str, str | bool] | None:
