@@ -263,8 +263,8 @@ _linear_layerwise.defvjp(_linear_layerwise_fwd, _linear_layerwise_bwd, symbolic_
 def _transposed_product(a: jax.Array, b: jax.Array, precision=None) -> jax.Array:
     """a^T @ b over any leading batch axes (contracting the second-to-last axis of both)
     as a product of untransposed operands: the narrower one is transposed behind an
-    optimization barrier, and so is the result, so that XLA cannot fold the transposes
-    back into a product with a transposed operand, which XLA:CPU runs slower (Eigen's
+    optimization barrier, and the result stays behind one, so that XLA cannot fold the
+    transposes back into a product with a transposed operand, which XLA:CPU runs slower (Eigen's
     under jaxlib's default products; oneDNN's batched ones at 1.8 times the time)."""
     barrier = jax.lax.optimization_barrier
     swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
