@@ -589,28 +589,6 @@ def test_untransposed_batched_gradient_is_autodiff_s_without_transposed_products
     assert "lhs_contracting_dims={3}" in hlo
 
 
-def test_cpu_random_bits_are_jax_s_bits_without_its_loop_for_large_arrays():
-    """`ops`' Threefry lowering on CPU: the same bits as jax's own CPU rule for a large
-    array (noise the size of RSPC's) and a small one (keys), unrolled for the large one only."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("checks XLA:CPU's lowering of the random bits")
-
-    def noise(key):
-        return jax.random.uniform(key, (4, 128, 128, 3))
-
-    def compiled(fn, choice, *args):
-        with ops.cpu_random_bits(choice):  # a new function: jax caches lowerings by function
-            return jax.jit(lambda *args: fn(*args)).lower(*args).compile()
-
-    key = jax.random.PRNGKey(3)
-    for fn in (noise, lambda key: jax.random.split(key, 3)):
-        ours, jax_s = compiled(fn, "auto", key), compiled(fn, "xla", key)
-        np.testing.assert_array_equal(ours(key), jax_s(key))
-        assert "while" in jax_s.as_text()
-    assert "while" not in compiled(noise, "auto", key).as_text()
-    assert "while" in compiled(lambda key: jax.random.split(key, 3), "auto", key).as_text()
-
-
 def test_dense_layers_use_the_backends_product_with_the_same_parameters():
     """`layers.dense` is `nn.Dense` with `ops.linear`: the same parameter tree and values;
     any other contraction is refused with a message naming the fix."""

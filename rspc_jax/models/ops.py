@@ -20,8 +20,6 @@ import os
 
 import flax.linen as nn
 import jax
-from jax._src.random import threefry2x32 as _threefry  # its lowering rules: see below
-from jax.interpreters import mlir
 import jax.numpy as jnp
 
 from rspc_jax import ConfigError
@@ -64,7 +62,6 @@ _cpu_products = _Switch("RSPC_JAX_CPU_PRODUCTS", ("auto", "xla"))
 _batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
 _dense_gradient = _Switch("RSPC_JAX_DENSE_GRADIENT", ("auto", "layerwise", "xla"))
 _batched_gradient = _Switch("RSPC_JAX_BATCHED_GRADIENT", ("auto", "untransposed", "xla"))
-_cpu_random_bits = _Switch("RSPC_JAX_CPU_RANDOM_BITS", ("auto", "xla"))
 
 
 def use_window_ops() -> bool:
@@ -356,36 +353,6 @@ def cpu_schedule(choice: str):
 def cpu_products(choice: str):
     """Jits the steps with XLA:CPU's products `choice` ('auto', 'xla') in the block."""
     return _cpu_products.override(choice)
-
-
-# Arrays of random bits at least this large take the unrolled hash on CPU.
-_UNROLLED_RANDOM_BITS = 2**16
-
-
-def _threefry_on_cpu(ctx, *args, **params):
-    """JAX's Threefry hash on CPU for large arrays, unrolled as on accelerators
-    (`RSPC_JAX_CPU_RANDOM_BITS` = auto, the default), rather than as jax's CPU rule's loop of
-    5 iterations: XLA:CPU runs each iteration as passes over the whole array, and RSPC's
-    noise for 8 images took 24 ms rolled against 2 ms unrolled (PyTorch's `torch.rand`: 6
-    ms; docs/speed.md, "CPU: the noise's random bits in one pass (2026-12-02)"). Small
-    arrays (the keys the layers derive) keep the loop: unrolled everywhere, RVT-Ti*'s RSPC
-    step took twice as long to compile (46 against 25 s). The same bits either way: it is the
-    same hash, written out. `xla` keeps jax's CPU rule, or `cpu_random_bits(...)` in code.
-    jax keeps both rules private (jax 0.10.2, pinned)."""
-    large = ctx.avals_out[0].size >= _UNROLLED_RANDOM_BITS
-    if large and _cpu_random_bits.get() == "auto":
-        return _threefry._threefry2x32_lowering_rule(ctx, *args, **params)
-    return _threefry._threefry2x32_cpu_lowering_rule(ctx, *args, **params)
-
-
-# Registered on import, for every computation this process lowers for the CPU: it changes no
-# random value, only how fast XLA:CPU computes them.
-mlir.register_lowering(_threefry.threefry2x32_p, _threefry_on_cpu, platform="cpu", inline=False)
-
-
-def cpu_random_bits(choice: str):
-    """Lowers random bits on CPU with choice `choice` ('auto', 'xla') in the block."""
-    return _cpu_random_bits.override(choice)
 
 
 def conv(x: jax.Array, kernel: jax.Array, strides: int, padding: int) -> jax.Array:
