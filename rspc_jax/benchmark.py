@@ -30,7 +30,12 @@ any reference step, e.g. the official RVT code's, from a script outside this rep
 
 `--interleave` alternates our variants alone in the same way and prints their medians over
 all rounds against the first variant, with rspc / plain and rspc / plain_2x: ratios between
-our own steps that the machine's drift does not bias.
+our own steps that the machine's drift does not bias. A variant followed by @SWITCH=CHOICE
+is traced and compiled with that implementation switch of rspc_jax.models.ops, so one
+command is a same-process A/B of a backend choice:
+
+    python -m rspc_jax.benchmark --config=configs/rvt_ti.py --batch=8 --steps=3 --rounds=10 \
+        --interleave --variants=rspc,rspc@RSPC_JAX_BATCHED_GRADIENT=xla
 
 `--memory` times nothing: it prints, for each variant with remat off and on, the largest
 per-device micro-batch whose step fits `--headroom` of a device's memory on each slice
@@ -62,7 +67,8 @@ _VARIANTS = flags.DEFINE_string(
     "variants",
     "plain,rspc",
     "Comma-separated step variants: plain, rspc, plain_2x (plain on twice the batch) or names "
-    "of rspc_jax.training.ablations.",
+    "of rspc_jax.training.ablations, each optionally followed by @SWITCH=CHOICE (an "
+    "environment switch of rspc_jax.models.ops, e.g. rspc@RSPC_JAX_CPU_PRODUCTS=xla).",
 )
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir",
@@ -136,6 +142,11 @@ def main(argv):
     _refuse_unused_flags()
     benchmark.check_variants(_VARIANTS.value.split(","))
     if _MEMORY.value:
+        if "@" in _VARIANTS.value:
+            raise app.UsageError(
+                "--memory plans accelerator memory, where the switches' CPU choices do not "
+                "apply: drop the @SWITCH=CHOICE parts of --variants"
+            )
         memory_plan(config)
         return
     if _COMPILE_ONLY.value:

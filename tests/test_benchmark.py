@@ -6,8 +6,10 @@ import os
 import re
 import sys
 
+import jax
 import pytest
 
+from rspc_jax.models import ops
 from rspc_jax.tools import benchmark, profiling
 from rspc_jax.training import host_memory
 from tests.conftest import REPO, load_config, run_module_without_tensorflow, run_python
@@ -635,3 +637,37 @@ def test_unknown_variants_are_refused_before_anything_compiles():
         assert "unknown step variant 'plain_3x'" in result.stderr, result.stderr[-2000:]
         assert "plain, rspc, plain_2x" in result.stderr and "trades1" in result.stderr
         assert "median" not in result.stdout  # nothing timed
+
+
+def test_a_variant_s_switches_hold_while_its_step_compiles():
+    """'rspc@RSPC_JAX_CPU_PRODUCTS=xla': the RSPC step's config, with the switch set only
+    inside `variant_switches` (where the step is traced and compiled)."""
+    name = "rspc@RSPC_JAX_CPU_PRODUCTS=xla@RSPC_JAX_CPU_SCHEDULE=xla"
+    _, config = load_config(REPO / "configs" / "demo.py", "smoke")
+    assert benchmark.variant_config(config, name).rspc.enabled
+    with ops.cpu_products("auto"), ops.cpu_schedule("auto"):
+        default = ops.compiler_options()
+        with benchmark.variant_switches(name):
+            inside = ops.compiler_options()
+        assert ops.compiler_options() == default
+    assert inside is None
+    if jax.default_backend() == "cpu":
+        assert default["xla_cpu_use_onednn"] and default["xla_cpu_scheduler_type"]
+
+
+def test_switch_variants_compile_side_by_side_and_bad_ones_are_refused_first():
+    args = ["-m", "rspc_jax.benchmark", "--config=configs/demo.py:smoke", "--batch=8"]
+    ab = "plain,plain@RSPC_JAX_WINDOW_OPS=xla"
+    result = run_python([*args, f"--variants={ab}", "--compile_only"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ab.split(","):
+        assert re.search(rf"^{name}\s+\d+\.\d+\s+\S+\s+\d+$", result.stdout, re.M), result.stdout
+    for variant, message in (
+        ("rspc@RSPC_JAX_NOPE=xla", "'RSPC_JAX_NOPE' is not a switch of rspc_jax.models.ops"),
+        ("rspc@RSPC_JAX_CPU_PRODUCTS=fast", "choice 'fast' is not one of ('auto', 'xla')"),
+    ):
+        result = run_python([*args, f"--variants=plain,{variant}", "--steps=1"], timeout=120)
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+        assert "median" not in result.stdout
+    result = run_python([*args, "--variants=rspc@RSPC_JAX_CPU_PRODUCTS=xla", "--memory"])
+    assert result.returncode != 0 and "drop the @SWITCH=CHOICE parts" in result.stderr

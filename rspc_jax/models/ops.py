@@ -62,6 +62,29 @@ _cpu_products = _Switch("RSPC_JAX_CPU_PRODUCTS", ("auto", "xla"))
 _batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
 _dense_gradient = _Switch("RSPC_JAX_DENSE_GRADIENT", ("auto", "layerwise", "xla"))
 _batched_gradient = _Switch("RSPC_JAX_BATCHED_GRADIENT", ("auto", "untransposed", "xla"))
+_SWITCHES = {
+    switch.variable: switch
+    for switch in (
+        _window_ops,
+        _attention,
+        _cpu_schedule,
+        _cpu_products,
+        _batch_sum,
+        _dense_gradient,
+        _batched_gradient,
+    )
+}
+
+
+def override(variable: str, choice: str):
+    """The switch named by its environment variable set to `choice` in the block: how the
+    benchmark compiles one step under two choices for a same-process A/B."""
+    if variable not in _SWITCHES:
+        raise ConfigError(
+            f"{variable!r} is not a switch of rspc_jax.models.ops: name one of "
+            f"{', '.join(sorted(_SWITCHES))}"
+        )
+    return _SWITCHES[variable].override(choice)
 
 
 def use_window_ops() -> bool:

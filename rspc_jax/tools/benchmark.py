@@ -1,6 +1,7 @@
 """Speed of train-step variants of a config's model, measured in one run (the library of
 `python -m rspc_jax.benchmark`, whose docstring says what the table holds)."""
 
+import contextlib
 import json
 import os
 import statistics
@@ -12,8 +13,9 @@ import jax
 import jax.extend
 import numpy as np
 
-from rspc_jax import parallel
+from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
+from rspc_jax.models import ops
 from rspc_jax.tools import allocator, profiling, timing
 from rspc_jax.training import ablations, host_memory, setup
 
@@ -184,14 +186,15 @@ def print_table(
     for name in variants:
         variant = variant_config(config, name)
         spec, batch = _random_batch(variant)
-        results[name] = time_step(
-            variant,
-            spec,
-            batch,
-            steps,
-            profile_dir=os.path.join(profile_dir, name) if profile_dir else "",
-            keep_timer=keep_timers,
-        )
+        with variant_switches(name):
+            results[name] = time_step(
+                variant,
+                spec,
+                batch,
+                steps,
+                profile_dir=os.path.join(profile_dir, name) if profile_dir else "",
+                keep_timer=keep_timers,
+            )
     print(
         f"model {config.model_name}, global batch {config.batch_size} clean images per step "
         f"(RSPC, TRADES and plain_2x put 2x through the classifier), "
@@ -201,8 +204,9 @@ def print_table(
     if jax.default_backend() == "cpu":  # where the allocator decides the step time
         print(f"memory allocator: {allocator.describe()}")
     first = next(iter(results))
+    width = _name_width(results, 20)
     print(
-        f"{'step':<20} {'compile s':>10} {'median step s':>14} {'images/s':>10} "
+        f"{'step':<{width}} {'compile s':>10} {'median step s':>14} {'images/s':>10} "
         f"{'steps/s':>8} {'x ' + first:>10} {'GFLOP/step':>11} {'MFU':>6} "
         f"{'XLA MiB':>8} {'peak MiB':>9} {'cores busy':>11}"
     )
@@ -210,7 +214,7 @@ def print_table(
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         peak = f"{r['peak_bytes'] / 2**20:.0f}" if r["peak_bytes"] else "n/a"
         print(
-            f"{name:<20} {r['compile_sec']:>10.2f} {r['median_sec']:>14.4f} "
+            f"{name:<{width}} {r['compile_sec']:>10.2f} {r['median_sec']:>14.4f} "
             f"{r['images_per_sec']:>10.1f} {1 / r['median_sec']:>8.2f} "
             f"{r['median_sec'] / results[first]['median_sec']:>10.2f} "
             f"{r['flops'] / 1e9:>11.4g} {mfu:>6} {r['step_bytes'] / 2**20:>8.0f} {peak:>9} "
@@ -256,7 +260,8 @@ def print_compile_table(config, variants: list[str]) -> dict:
     results = {}
     for name in variants:
         variant = variant_config(config, name)
-        _, _, compiled, compile_sec, flops = compile_step(variant, *_random_batch(variant))
+        with variant_switches(name):
+            _, _, compiled, compile_sec, flops = compile_step(variant, *_random_batch(variant))
         results[name] = dict(
             compile_sec=compile_sec, flops=flops, step_bytes=compiled_bytes(compiled)
         )
@@ -264,10 +269,11 @@ def print_compile_table(config, variants: list[str]) -> dict:
         f"model {config.model_name}, global batch {config.batch_size}, "
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, compiled only"
     )
-    print(f"{'step':<20} {'compile s':>10} {'GFLOP/step':>11} {'XLA MiB':>8}")
+    width = _name_width(results, 20)
+    print(f"{'step':<{width}} {'compile s':>10} {'GFLOP/step':>11} {'XLA MiB':>8}")
     for name, r in results.items():
         print(
-            f"{name:<20} {r['compile_sec']:>10.2f} {r['flops'] / 1e9:>11.4g} "
+            f"{name:<{width}} {r['compile_sec']:>10.2f} {r['flops'] / 1e9:>11.4g} "
             f"{r['step_bytes'] / 2**20:>8.0f}"
         )
     return results
@@ -277,14 +283,37 @@ STEP_VARIANTS = ("plain", "rspc", "plain_2x")
 
 
 def check_variants(names: list[str]) -> None:
-    """Refuses an unknown variant before any step is built."""
+    """Refuses an unknown variant, or switch choice, before any step is built."""
     known = [*STEP_VARIANTS, *sorted(ablations.ABLATIONS)]
     for name in names:
-        if name not in known:
+        if name.split("@")[0] not in known:
             raise SystemExit(
                 f"unknown step variant {name!r} in --variants: pass a comma-separated list of "
-                f"{', '.join(known)}"
+                f"{', '.join(known)}, each optionally followed by @SWITCH=CHOICE"
             )
+        try:
+            with variant_switches(name):
+                pass
+        except ConfigError as error:
+            raise SystemExit(f"--variants={name}: {error}") from None
+
+
+def _name_width(names, narrowest: int) -> int:
+    """The width of a table's first column: switch variants' names run long."""
+    return max(narrowest, *(len(name) + 1 for name in names))
+
+
+def variant_switches(name: str) -> contextlib.ExitStack:
+    """The implementation switches (rspc_jax.models.ops) that a variant's name sets after
+    '@', entered: 'rspc@RSPC_JAX_CPU_PRODUCTS=xla' is the RSPC step traced and compiled with
+    jaxlib's default products, so that `--variants=rspc,rspc@RSPC_JAX_CPU_PRODUCTS=xla
+    --interleave` is a same-process A/B of the choice."""
+    stack = contextlib.ExitStack()
+    with stack:
+        for setting in name.split("@")[1:]:
+            variable, _, choice = setting.partition("=")
+            stack.enter_context(ops.override(variable, choice))
+        return stack.pop_all()
 
 
 def variant_config(config, name: str):
@@ -293,6 +322,7 @@ def variant_config(config, name: str):
     is what RSPC costs beyond the doubled batch, which alone can take more than twice the
     time once a step's buffers outgrow the caches."""
     config = config.copy_and_resolve_references()
+    name = name.split("@")[0]  # the switches: `variant_switches`
     if name in STEP_VARIANTS:
         config.rspc.enabled = name == "rspc"
         if name == "plain_2x":
@@ -409,8 +439,9 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
             else ":"
         )
     )
+    width = _name_width(medians, 24)
     print(
-        f"{'step':<24} {'median step s':>14} {'x reference':>12} {'reference':<16} "
+        f"{'step':<{width}} {'median step s':>14} {'x reference':>12} {'reference':<16} "
         f"{'peak RSS MiB':>13} {'cores busy':>11}"
         + (f" {'device MiB':>11}" if device_column else "")
     )
@@ -419,7 +450,7 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
         cores = [c for c in busy[name] if c is not None]
         cores = f"{statistics.mean(cores):.2f}" if cores else "n/a"
         print(
-            f"{name:<24} {median:>14.4f} {median / medians[against[name]]:>12.2f} "
+            f"{name:<{width}} {median:>14.4f} {median / medians[against[name]]:>12.2f} "
             f"{against[name]:<16} {memory:>13} {cores:>11}"
             + (f" {_mib(device[name]):>11}" if device_column else "")
         )
