@@ -24,6 +24,9 @@ import jax.numpy as jnp
 
 from rspc_jax import ConfigError
 
+# Every switch by its environment variable (`override`).
+_SWITCHES: dict[str, "_Switch"] = {}
+
 
 class _Switch:
     """An implementation choice: an environment variable's value (default 'auto'), which
@@ -32,6 +35,7 @@ class _Switch:
     def __init__(self, variable: str, choices: tuple[str, ...]):
         self.variable, self.choices = variable, choices
         self.value = os.environ.get(variable, "auto")
+        _SWITCHES[variable] = self
 
     def get(self) -> str:
         if self.value not in self.choices:
@@ -62,18 +66,6 @@ _cpu_products = _Switch("RSPC_JAX_CPU_PRODUCTS", ("auto", "xla"))
 _batch_sum = _Switch("RSPC_JAX_BATCH_SUM", ("auto", "pairwise", "xla"))
 _dense_gradient = _Switch("RSPC_JAX_DENSE_GRADIENT", ("auto", "layerwise", "xla"))
 _batched_gradient = _Switch("RSPC_JAX_BATCHED_GRADIENT", ("auto", "untransposed", "xla"))
-_SWITCHES = {
-    switch.variable: switch
-    for switch in (
-        _window_ops,
-        _attention,
-        _cpu_schedule,
-        _cpu_products,
-        _batch_sum,
-        _dense_gradient,
-        _batched_gradient,
-    )
-}
 
 
 def override(variable: str, choice: str):
