@@ -50,6 +50,10 @@ def test_benchmark_prints_plain_rspc_ratio_flops_and_memory():
     assert ratio > 0
     beyond = re.search(r"ratio rspc/plain_2x step time: (\d+\.\d+)", out)
     assert beyond and float(beyond.group(1)) > 0, out
+    doubling = re.search(r"ratio plain_2x/plain step time: (\d+\.\d+)", out)
+    assert doubling, out
+    medians = float(doubled.group(2)) / float(plain.group(2))
+    assert float(doubling.group(1)) == pytest.approx(medians, rel=0.05, abs=0.01)
     assert plain.group(5) == "n/a"  # no MFU on CPU: no known peak
     plain_flops, doubled_flops = float(plain.group(4)), float(doubled.group(4))
     rspc_flops = float(rspc.group(4))
@@ -352,6 +356,19 @@ def test_op_time_by_layer_and_rspcs_time_beyond_twice_plain():
         ("forward ViT/blocks_*/mlp/fc1", 0.0),
         ("outside the model: ?", -0.5),
     ]
+
+
+def test_step_comparisons_are_those_whose_two_variants_ran():
+    """What the method costs beyond the doubled batch and what doubling the batch costs
+    beyond twice the work are each compared only where both steps were run."""
+    assert benchmark.step_comparisons(["plain", "rspc"]) == [("rspc", "plain", 2.0)]
+    assert benchmark.step_comparisons(["plain_2x", "plain"]) == [("plain_2x", "plain", 2.0)]
+    assert benchmark.step_comparisons({"rspc": 1.0, "plain_2x": 2.0, "plain": 0.5}) == [
+        ("rspc", "plain", 2.0),
+        ("rspc", "plain_2x", 1.0),
+        ("plain_2x", "plain", 2.0),
+    ]
+    assert benchmark.step_comparisons(["rspc", "fgsm_at"]) == []
 
 
 def test_describe_ops_reads_fusions_and_plain_instructions():

@@ -227,15 +227,19 @@ def print_table(
         "estimate of one step's memory; peak MiB: the device allocator's peak (accelerators); "
         "cores busy: the process's CPU time over the wall time of the timed steps."
     )
-    _print_rspc_ratios({name: r["median_sec"] for name, r in results.items()})
+    _print_step_ratios({name: r["median_sec"] for name, r in results.items()})
     for name, r in results.items():
         if r["top_ops"]:
             profiling.print_top_ops(f"{name}, by kind", profiling.by_kind(r["top_ops"]))
             profiling.print_top_ops(name, r["top_ops"][:10])
-    if {"plain", "rspc"} <= set(results) and results["rspc"]["scopes"]:
-        profiling.print_excess(
-            "rspc against plain", results["rspc"]["scopes"], results["plain"]["scopes"], 2.0
-        )
+    for name, baseline, factor in step_comparisons(results):
+        if results[name]["scopes"]:
+            profiling.print_excess(
+                f"{name} against {baseline}",
+                results[name]["scopes"],
+                results[baseline]["scopes"],
+                factor,
+            )
     return results
 
 
@@ -461,7 +465,7 @@ def compare_side_by_side(results: dict, references: dict, steps: int, rounds: in
         + (" device MiB: the peak of each process's device allocator." if device_column else "")
     )
     _print_round_spread(round_medians, against)
-    _print_rspc_ratios(medians, " over the rounds")
+    _print_step_ratios(medians, " over the rounds")
     return medians
 
 
@@ -480,12 +484,23 @@ def _print_round_spread(round_medians: dict, against: dict) -> None:
         )
 
 
-def _print_rspc_ratios(seconds: dict, over: str = "") -> None:
-    """rspc / plain and rspc / plain_2x (RSPC's cost beyond the doubled batch), where timed."""
-    for baseline in ("plain", "plain_2x"):
-        if {baseline, "rspc"} <= set(seconds):
-            ratio = seconds["rspc"] / seconds[baseline]
-            print(f"ratio rspc/{baseline} step time{over}: {ratio:.2f}")
+# (variant, baseline, the time ratio expected if nothing but the images' number mattered):
+# RSPC puts twice the images through the model, plain_2x is the plain step on twice the
+# batch, so rspc / plain_2x is what the method costs beyond the doubled batch and
+# plain_2x / plain what doubling the batch costs beyond twice the work.
+_COMPARISONS = (("rspc", "plain", 2.0), ("rspc", "plain_2x", 1.0), ("plain_2x", "plain", 2.0))
+
+
+def step_comparisons(variants) -> list[tuple[str, str, float]]:
+    """The `_COMPARISONS` whose two variants were both run."""
+    return [c for c in _COMPARISONS if {c[0], c[1]} <= set(variants)]
+
+
+def _print_step_ratios(seconds: dict, over: str = "") -> None:
+    """The step-time ratios of `step_comparisons`, where timed."""
+    for name, baseline, _ in step_comparisons(seconds):
+        ratio = seconds[name] / seconds[baseline]
+        print(f"ratio {name}/{baseline} step time{over}: {ratio:.2f}")
 
 
 def _mib(size) -> str:
