@@ -9,10 +9,11 @@ images/s (clean images per step / median), the step-time ratio to the first
 variant, XLA's FLOP count of the step with the model FLOPs utilisation (on GPUs/TPUs),
 XLA's memory estimate and the device's peak memory. Options that matter on accelerators:
 `--config.compute_dtype=bfloat16`, `--config.remat=True`, `--config.scan_blocks=True`
-(ViT/DeiT); the step donates its state. Variants: 'plain' (no RSPC), 'rspc', 'plain_2x' (the
-plain step on twice the batch, as many images as RSPC's forward: rspc / plain_2x is RSPC's
-cost beyond the doubled batch, plain_2x / plain the doubled batch's), or any name of rspc_jax.training.ablations (the
-adversarial-training baselines of the paper's Fig. 7 among them).
+(ViT/DeiT); the step donates its state. Variants: 'plain' (no RSPC), 'rspc', 'plain_2x'
+(the plain step on twice the batch, as many images as RSPC's forward: rspc / plain_2x is
+RSPC's cost beyond the doubled batch, plain_2x / plain the doubled batch's), or any name of
+rspc_jax.training.ablations (the adversarial-training baselines of the paper's Fig. 7 among
+them).
 
     python -m rspc_jax.benchmark --config=configs/deit_s.py --batch=8 --steps=5 --compare_timm
 
@@ -30,9 +31,9 @@ any reference step, e.g. the official RVT code's, from a script outside this rep
 
 `--interleave` alternates our variants alone in the same way and prints their medians over
 all rounds against the first variant, with rspc / plain, rspc / plain_2x and plain_2x /
-plain: ratios between our own steps that the machine's drift does not bias. A variant followed by @SWITCH=CHOICE
-is traced and compiled with that implementation switch of rspc_jax.models.ops, so one
-command is a same-process A/B of a backend choice:
+plain: ratios between our own steps that the machine's drift does not bias. A variant
+followed by @SWITCH=CHOICE is traced and compiled with that implementation switch of
+rspc_jax.models.ops, so one command is a same-process A/B of a backend choice:
 
     python -m rspc_jax.benchmark --config=configs/rvt_ti.py --batch=8 --steps=3 --rounds=10 \
         --interleave --variants=rspc,rspc@RSPC_JAX_BATCHED_GRADIENT=xla
