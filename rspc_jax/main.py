@@ -26,6 +26,13 @@ _WORKDIR = flags.DEFINE_string(
     "gs://); rerunning with the same workdir resumes.",
     required=True,
 )
+_FORCE_UNLOCK = flags.DEFINE_bool(
+    "force_unlock",
+    False,
+    "Take the workdir's lock (<workdir>/run.lock) even from a run that looks alive: only "
+    "when you know that run is dead. Locks of dead runs on this host, and locks whose "
+    "heartbeat stopped 10 minutes ago, are taken over without it.",
+)
 
 
 def main(argv):
@@ -36,7 +43,7 @@ def main(argv):
     # Imported here so that --help and bad input stay fast and JAX starts after the checks.
     from rspc_jax.training import loop
 
-    loop.train_and_evaluate(config, _WORKDIR.value)
+    loop.train_and_evaluate(config, _WORKDIR.value, force_unlock=_FORCE_UNLOCK.value)
 
 
 if __name__ == "__main__":

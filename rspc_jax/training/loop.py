@@ -24,7 +24,7 @@ from rspc_jax.data import train as train_data
 from rspc_jax.evaluation import run_suites, suites
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import state_dicts as interop
-from rspc_jax.training import host_memory, setup
+from rspc_jax.training import host_memory, setup, workdir_lock
 from rspc_jax.training import reporting as metrics_lib
 from rspc_jax.training import step as train_step_lib
 
@@ -156,19 +156,52 @@ def initialize_from_checkpoint(config, state: train_step_lib.TrainState, mesh):
     )
 
 
+@contextlib.contextmanager
+def _workdir_locked(workdir: str, force: bool):
+    """Holds `workdir`'s lock (workdir_lock) while the run writes into it; process 0 takes
+    it, and every host stops when it cannot, before anything is written or compiled.
+    Yields the lock on process 0, None on the others."""
+    lock, refusal = None, None
+    if jax.process_index() == 0:
+        try:
+            lock = workdir_lock.acquire(workdir, force=force)
+        except workdir_lock.WorkdirLockedError as error:
+            refusal = error
+    if _agree(refusal is not None):
+        raise refusal or workdir_lock.WorkdirLockedError(
+            f"process 0 could not take the lock of the workdir {workdir}; its log says why."
+        )
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def train_and_evaluate(
     config: ml_collections.ConfigDict,
     workdir: str,
     should_stop: Callable[[int], bool] | None = None,
+    *,
+    force_unlock: bool = False,
 ) -> dict:
     """Trains (or resumes) the run in `workdir`.
 
     Returns the final state, the step reached and the last evaluation ('eval', and
     'eval_ema' with EMA). `should_stop(step)` can end the run early, like SIGTERM; it is
     asked after each call of the step, i.e. after each of config.steps_per_call steps
-    between log, eval and checkpoint steps.
+    between log, eval and checkpoint steps. The run holds the workdir's lock throughout
+    (workdir_lock: a second run on the same workdir is refused); `force_unlock` takes it
+    from a run that still looks alive.
     """
     setup.validate_config(config)
+    workdir = resolve_workdir(workdir)
+    with _workdir_locked(workdir, force_unlock) as lock:
+        return _train_and_evaluate(config, workdir, should_stop, lock)
+
+
+def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
+    """train_and_evaluate in a locked, existing `workdir`."""
     spec = datasets.dataset_spec(config.dataset)
     model = setup.build_model(config, spec.num_classes)
     setup.check_model_fits(config, model)
@@ -185,7 +218,6 @@ def train_and_evaluate(
     parts = setup.build(config, model, spec, mesh, steps_per_epoch, total_steps)
     state = parts.init(jax.random.PRNGKey(config.seed))
 
-    workdir = resolve_workdir(workdir)
     ckpt = checkpointing.Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
     )
@@ -329,6 +361,8 @@ def train_and_evaluate(
                     # (or eval, which may keep the best state).
                     logger.write(step, metrics_lib.mean_and_check(pending, pending_start), "train")
                     pending, pending_start = [], step
+                    if lock is not None:
+                        lock.check()  # another run took the workdir over: stop before saving
                 if evaluate:
                     final = run_eval(step)
                     host_memory.release_freed_memory()  # the first one compiles the eval steps
