@@ -8,6 +8,9 @@ One file, each piece a pure function that can be tested alone:
    patches whose score is strictly above the linear-interpolation rho-quantile, i.e.
    occlude the floor(rho*(N-1))+1 lowest scores (20 of 196 at rho=0.1). Backward:
    clip(S * g, -1, 1) (official hardtanh; S emulates the AMP loss scale, see below).
+   Beside it (`rspc.corruption_model='content'`, not in the paper): `ContentCorruptionModel`,
+   a C that scores each patch from its own pixels only, selected by `sampled_keep_mask`
+   (exactly that many patches per image, Gumbel top-k; docs/method.md, "A per-image C").
 3. `occlude` (eq. 1): x_hat = clamp(m * x + (1 - m) * delta, lower, upper).
 4. `alignment_loss` (eq. 2 with the official reduction): mean over all backbone
    blocks of the element-wise mean squared difference between the corrupted and the
@@ -80,6 +83,52 @@ class PatchCorruptionModel(nn.Module):
         )(x)
 
 
+class ContentCorruptionModel(nn.Module):
+    """A C that scores each patch from that patch's pixels alone: conv (kernel = stride =
+    patch, 3 -> `hidden`, no bias) -> exact GELU -> a shared linear map to one score.
+
+    The official C's N x N Dense layer lets a score depend on where a patch is, and on the
+    digits it learns a per-position bias that gives every image the same mask
+    (docs/study/findings.md). This C has no position information: two patches with the same
+    pixels get the same score wherever they are, so only image content can rank patches.
+    """
+
+    patch_size: int = 16
+    hidden: int = 16
+
+    @nn.compact
+    def __call__(self, images):
+        height, width, channels = images.shape[1:]
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(
+                f"image size {height}x{width} is not divisible by the RSPC "
+                f"patch size {self.patch_size}"
+            )
+        x = layers.Conv(
+            self.hidden,
+            self.patch_size,
+            strides=self.patch_size,
+            use_bias=False,
+            kernel_init=layers.torch_default_uniform(channels * self.patch_size**2),
+            name="patch_embed",
+        )(images)
+        x = layers.dense(
+            1,
+            use_bias=False,
+            kernel_init=layers.torch_default_uniform(self.hidden),
+            name="score",
+        )(layers.gelu(x))
+        return x.reshape(images.shape[0], -1)  # row-major patch order
+
+
+CORRUPTION_MODELS = {"official": PatchCorruptionModel, "content": ContentCorruptionModel}
+
+
+def make_corruption_model(rspc_config, patch_size: int) -> nn.Module:
+    """C as `rspc.corruption_model` names it, for `patch_size` patches."""
+    return CORRUPTION_MODELS[rspc_config.corruption_model](patch_size)
+
+
 def keep_mask(scores: jax.Array, rho: float) -> jax.Array:
     """1 = keep, 0 = occlude: scores strictly above the per-image linear rho-quantile."""
     threshold = jnp.quantile(
@@ -88,26 +137,62 @@ def keep_mask(scores: jax.Array, rho: float) -> jax.Array:
     return (scores > threshold).astype(scores.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def binarize(scores: jax.Array, rho: float, clip: float | None, grad_scale: float):
-    """Straight-through binarisation of patch scores into a keep-mask.
+# Ties between standardised scores are broken by Gumbel noise of this scale: far below any
+# difference that float32 scores of distinct patches show, so it orders exact ties only.
+TIE_BREAK = 1e-6
 
-    Backward returns `grad_scale * g`, clipped to [-clip, clip] (official: clip = 1,
-    torch hardtanh); `clip=None` gives the plain identity estimator.
+
+def sampled_keep_mask(
+    scores: jax.Array, rho: float, gumbel: jax.Array, temperature: float
+) -> jax.Array:
+    """1 = keep: per image exactly `num_occluded(N, rho)` patches occluded, sampled without
+    replacement with probabilities softmax(-z / temperature), z the image's scores
+    standardised over its patches (Gumbel top-k: the lowest z - temperature * gumbel).
+
+    `gumbel` (B, N) holds standard Gumbel draws. At temperature 0 the lowest scores are
+    occluded, exact ties broken by the draws (not by position). Standardising makes the
+    temperature mean the same whatever the scale C's scores grow to.
     """
-    return keep_mask(scores, rho)
+    scores = scores.astype(jnp.float32)
+    mean = jnp.mean(scores, axis=1, keepdims=True)
+    std = jnp.std(scores, axis=1, keepdims=True)
+    standardised = (scores - mean) / jnp.maximum(std, 1e-12)
+    perturbed = standardised - max(temperature, TIE_BREAK) * gumbel
+    count = num_occluded(scores.shape[1], rho)
+    kth_lowest = -jax.lax.top_k(-perturbed, count)[0][:, -1:]
+    return (perturbed > kth_lowest).astype(scores.dtype)
 
 
-def _binarize_fwd(scores, rho, clip, grad_scale):
-    return keep_mask(scores, rho), None
+def gumbel_draws(rng: jax.Array, example_ids: jax.Array, num_patches: int) -> jax.Array:
+    """Standard Gumbel noise (B, N) keyed by global example index (as `uniform_noise`)."""
+    return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(rng, i), (num_patches,)))(
+        example_ids
+    )
 
 
-def _binarize_bwd(rho, clip, grad_scale, _, g):
-    g = g * grad_scale
-    return (g if clip is None else jnp.clip(g, -clip, clip),)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def straight_through(scores: jax.Array, keep: jax.Array, clip: float | None, grad_scale: float):
+    """Returns the hard mask `keep`; its gradient goes to `scores` as `grad_scale * g`,
+    clipped to [-clip, clip] (official: clip = 1, torch hardtanh); `clip=None` gives the
+    plain identity estimator."""
+    return keep
 
 
-binarize.defvjp(_binarize_fwd, _binarize_bwd)
+def _straight_through_fwd(scores, keep, clip, grad_scale):
+    return keep, None
+
+
+def _straight_through_bwd(clip, grad_scale, _, g):
+    scaled = g * grad_scale
+    return (scaled if clip is None else jnp.clip(scaled, -clip, clip), jnp.zeros_like(g))
+
+
+straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def binarize(scores: jax.Array, rho: float, clip: float | None, grad_scale: float):
+    """Straight-through binarisation by the official rule (`keep_mask`)."""
+    return straight_through(scores, keep_mask(jax.lax.stop_gradient(scores), rho), clip, grad_scale)
 
 
 def patch_mask_to_pixels(mask: jax.Array, grid: tuple[int, int], patch_size: int) -> jax.Array:
@@ -183,17 +268,24 @@ def corrupt_batch(
     upper,
     random_scores=None,
     mask_probe=None,
+    sampling=None,
 ):
     """Builds x_hat = C-selected occlusion of `images`; returns (x_hat, keep-mask (B, N)).
 
     `random_scores` replaces C's scores (the random-selection ablation, Table 3).
     `mask_probe` (zeros (B, N)) is added to the mask so that its gradient exposes the
     gradient reaching the STE (for the saturation diagnostics).
+    `sampling` (gumbel draws (B, N), temperature) selects by `sampled_keep_mask` instead of
+    the official quantile rule.
     """
     scores = corruption_model.apply({"params": corruption_params}, images)
     if random_scores is not None:
         scores = random_scores
-    mask = binarize(scores, rho, ste_clip, grad_scale)
+    if sampling is None:
+        mask = binarize(scores, rho, ste_clip, grad_scale)
+    else:
+        hard = sampled_keep_mask(jax.lax.stop_gradient(scores), rho, *sampling)
+        mask = straight_through(scores, hard, ste_clip, grad_scale)
     if mask_probe is not None:
         mask = mask + mask_probe
     grid = (
@@ -238,6 +330,7 @@ def rspc_loss(
     compute_dtype=None,
     objective="align",
     drop_tokens=False,
+    sampling=None,
 ):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
@@ -249,6 +342,7 @@ def rspc_loss(
     drop_tokens (ablation, models with `supports_token_dropping`): the selected patches
     are dropped from the corrupted half's token sequence instead of filled with noise (the
     model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
+    sampling: see `corrupt_batch`.
     """
     corrupted, mask = corrupt_batch(
         corruption_params,
@@ -262,6 +356,7 @@ def rspc_loss(
         upper=upper,
         random_scores=random_scores,
         mask_probe=mask_probe,
+        sampling=sampling,
     )
     token_keep, kwargs = None, {}
     if drop_tokens:
@@ -333,6 +428,17 @@ def corruption_optimizer(config) -> optax.GradientTransformation:
         optax.add_decayed_weights(config.weight_decay),
         optax.sgd(config.lr, momentum=config.momentum, nesterov=config.nesterov),
     )
+
+
+def selection_temperature(rspc_config) -> float | None:
+    """None for the official quantile rule (the official C at temperature 0); else the
+    temperature of `sampled_keep_mask`, which the content C always uses (its scores of
+    identical patches tie, and the quantile rule would occlude every tied patch)."""
+    if rspc_config.selection == "random":
+        return None
+    if rspc_config.corruption_model == "official" and rspc_config.temperature == 0:
+        return None
+    return float(rspc_config.temperature)
 
 
 def corruption_patch_size(rspc_config, model) -> int:

@@ -151,6 +151,38 @@ def test_canvas_digits_hold_each_digit_unchanged_at_varying_places(tmp_path, no_
     assert spec.std[0] == pytest.approx(train_pixels.std(), abs=1e-4)
 
 
+def test_textured_digits_keep_the_canvas_places_on_backgrounds_that_vary(tmp_path, no_network):
+    """Offline; each image holds its canvas digit's strokes (brightened, in the same order of
+    grey) at the canvas dataset's place, every background pixel is darker than every stroke
+    pixel, no background is flat, and the spec's numbers are those of the training images."""
+    from rspc_jax.data import sklearn_digits
+
+    builder = records.get_builder("sklearn_digits_textured", str(tmp_path))
+    splits = builder.info.splits
+    assert (splits["train"].num_examples, splits["test"].num_examples) == (1500, 297)
+    digits, _ = sklearn_digits._load_uint8_digits()
+    placed, textured = sklearn_digits.textured_digits(digits)
+    np.testing.assert_array_equal(
+        placed, sklearn_digits.place_on_canvas(digits, np.random.default_rng(0))
+    )
+    built = np.stack([e["image"] for e in tfds.as_numpy(builder.as_dataset(split="train"))])
+    assert sorted(i.tobytes() for i in built) == sorted(i.tobytes() for i in textured[:1500])
+    strokes = placed > 0
+    spec = datasets.dataset_spec("sklearn_digits_textured")
+    assert np.all(textured[strokes] / 255.0 > spec.object_threshold)
+    assert np.all(textured[~strokes] / 255.0 < spec.object_threshold)
+    for image, digit in zip(textured[:100], placed[:100], strict=True):
+        on = digit > 0
+        np.testing.assert_array_equal(
+            np.argsort(image[on], kind="stable"), np.argsort(digit[on], kind="stable")
+        )
+    background = np.where(strokes, np.nan, textured.astype(float)).reshape(len(textured), -1)
+    assert np.all(np.nanstd(background, axis=1) > 3)
+    assert spec.background is None  # no blank image to compare C's masks with
+    assert spec.mean[0] == pytest.approx(built.mean() / 255.0, abs=1e-4)
+    assert spec.std[0] == pytest.approx(built.std() / 255.0, abs=1e-4)
+
+
 def test_train_batches_shapes_dtypes_and_normalisation(digits_data_dir):
     batch = next(digits_train(digits_data_dir, image_size=32, augment="digits"))
     assert batch["image"].shape == (8, 32, 32, 3)

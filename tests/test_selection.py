@@ -29,6 +29,7 @@ def test_one_mask_for_every_image_reports_one_mask_zero_entropy_and_unit_iou():
     assert stats["distinct_masks"] == 1
     assert stats["entropy"] == pytest.approx(0.0, abs=1e-5)
     assert stats["mask_iou"] == pytest.approx(1.0)
+    assert stats["modal_mask_share"] == pytest.approx(1.0)
 
 
 def test_random_selection_reports_high_entropy_and_the_iou_of_chance():
@@ -36,6 +37,7 @@ def test_random_selection_reports_high_entropy_and_the_iou_of_chance():
     stats = jax.device_get(selection.statistics(jnp.asarray(masks)))
     assert stats["distinct_masks"] == len(np.unique(masks, axis=0)) > 100
     assert stats["entropy"] > 0.98
+    assert stats["modal_mask_share"] < 0.03  # 120 possible masks
     # Two random 2-of-16 masks: E[IoU] = P(1 shared) / 3 + P(2 shared) = 0.2333 / 3 + 0.0083.
     assert stats["mask_iou"] == pytest.approx(0.2333 / 3 + 1 / 120, abs=0.01)
 
@@ -50,7 +52,7 @@ def test_mask_iou_traces_for_batches_whose_pair_count_passes_int32():
 def test_on_object_counts_the_selected_patches_that_hold_a_stroke():
     pixels = np.zeros((2, 8, 8, 3), np.float32)
     pixels[:, :4, :4] = 1.0  # the object fills patch 0 of a 2 x 2 grid of 4-px patches
-    on_object = selection.object_patches(jnp.asarray(pixels), 4, background=0.0)
+    on_object = selection.object_patches(jnp.asarray(pixels), 4, threshold=0.1)
     np.testing.assert_array_equal(on_object, [[True, False, False, False]] * 2)
     masks = jnp.asarray([[1, 1, 0, 0], [0, 1, 1, 0]])
     assert float(selection.statistics(masks, on_object)["on_object"]) == pytest.approx(0.25)

@@ -49,6 +49,35 @@ def test_method_strings_switch_the_config(digits_data_dir):
     assert study_runner.label("random_patches lam=0.5") == "RSPC, random patches, λ=0.5"
 
 
+def test_learned_methods_pair_with_the_random_method_of_their_other_fields():
+    """Fields that change only how C selects do not split the pairing with random patches."""
+    assert study_runner.random_twin("rspc lam=0.5") == "random_patches lam=0.5"
+    assert (
+        study_runner.random_twin("rspc lam=0.5 corruption_model=content temperature=1.0")
+        == "random_patches lam=0.5"
+    )
+    rows = {
+        "rspc lam=0.5 corruption_model=content": [dict(occluded=0.8, **{"Cos-Sim": 0.9})],
+        "random_patches lam=0.5": [dict(occluded=0.7, **{"Cos-Sim": 0.95})],
+        "rspc": [dict(occluded=0.6, **{"Cos-Sim": 0.9})],  # no random twin at lambda 0.005
+    }
+    ((method, occluded, cos),) = study_runner.learned_vs_random(rows, seeds=[0])
+    assert method == "rspc lam=0.5 corruption_model=content"
+    assert occluded == [pytest.approx(0.1)] and cos == [pytest.approx(-0.05)]
+
+
+def test_per_image_study_chooses_on_held_out_training_digits(digits_data_dir):
+    """The validation variant trains on training digits 0-1199 and evaluates on 1200-1499;
+    the per-image study itself evaluates on the test split."""
+    _, validation = load_config(REPO / "configs" / "demo_study.py", "per_image_validation")
+    _, final = load_config(REPO / "configs" / "demo_study.py", "per_image")
+    assert (validation.train_split, validation.eval_split) == ("train[:1200]", "train[1200:]")
+    assert final.train_split is None and final.eval_split is None
+    for config in (validation, final):
+        assert set(config.study.settings) == {"canvas16", "textured16"}
+        study_runner.check(config)
+
+
 @pytest.mark.parametrize("method", ["rspc lamda=0.5", "no_such_method"])
 def test_bad_method_fails_before_training(digits_data_dir, tmp_path, method):
     config = _smoke_config(digits_data_dir)

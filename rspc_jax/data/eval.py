@@ -49,6 +49,7 @@ def imagenet(image, size):
 EVAL_PREPROCESS = {
     "sklearn_digits": digits,
     "sklearn_digits_canvas": digits,
+    "sklearn_digits_textured": digits,
     "cifar10": cifar,
     "cifar100": cifar,
     "imagenet2012": imagenet,

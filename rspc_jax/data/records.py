@@ -16,7 +16,7 @@ from rspc_jax.data.specs import DatasetNotFoundError, preparation_instructions
 AUTOTUNE = tf.data.AUTOTUNE
 
 # Datasets built from a package on first use (no download).
-_OFFLINE = ("sklearn_digits", "sklearn_digits_canvas")
+_OFFLINE = ("sklearn_digits", "sklearn_digits_canvas", "sklearn_digits_textured")
 
 
 def _hide_gpus_from_tf():

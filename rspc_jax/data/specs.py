@@ -21,9 +21,12 @@ class DatasetSpec:
     mean: tuple  # per-channel normalisation mean (RGB, [0,1] pixel scale)
     std: tuple
     manual_download: bool
-    # Pixel value of an empty background ([0, 1]), where the images have one: the corruption
-    # model's selection statistics then report how many chosen patches hold the object.
+    # Pixel value of an empty background ([0, 1]), where the images have one: the report then
+    # compares C's masks with its mask of a blank image.
     background: float | None = None
+    # Where a pixel above this value ([0, 1]) belongs to the object: the corruption model's
+    # selection statistics then report how many chosen patches hold the object.
+    object_threshold: float | None = None
 
 
 # Digits: grey pixel mean/std of the 1500 training images after the builder's
@@ -39,6 +42,7 @@ _SPECS = {
         std=(0.3749,) * 3,
         manual_download=False,
         background=0.0,
+        object_threshold=0.1,  # a stroke pixel of grey level 2 of 16 or more
     ),
     "cifar10": DatasetSpec(
         name="cifar10",
@@ -75,6 +79,18 @@ _SPECS = {
 # The same digits on a 16x16 canvas (mean and std of its 1500 training images).
 _SPECS["sklearn_digits_canvas"] = dataclasses.replace(
     _SPECS["sklearn_digits"], name="sklearn_digits_canvas", mean=(0.0763,) * 3, std=(0.2293,) * 3
+)
+
+# The canvas digits on crops of photographs (mean and std of its 1500 training images; the
+# background stays at or below 110/255 and strokes at or above 140/255:
+# rspc_jax/data/sklearn_digits.py).
+_SPECS["sklearn_digits_textured"] = dataclasses.replace(
+    _SPECS["sklearn_digits"],
+    name="sklearn_digits_textured",
+    mean=(0.2601,) * 3,
+    std=(0.2418,) * 3,
+    background=None,
+    object_threshold=0.5,
 )
 
 # Files that the manual-download datasets expect in <data_dir>/downloads/manual.

@@ -11,8 +11,11 @@ adversary, so training logs and evaluation reports these numbers:
   selection), 0 = every image gets the same mask;
 - `mask_iou`: the mean intersection-over-union of the masks of two different images
   (1 = identical masks; random masks of k of n patches give about k / (2n - k));
+- `modal_mask_share`: the fraction of images whose mask is the most common one (1 = one
+  mask for every image; unlike a comparison with C's mask of a blank image it needs no
+  blank image and no tie-free scores);
 - `on_object`: the fraction of selected patches that hold part of the object, for datasets
-  with an empty background (digits: a patch with any stroke pixel);
+  whose spec says which pixels are the object (digits: a patch with any stroke pixel);
 - `frequency`: how often each position was selected (a vector, row-major over the patch grid;
   the training log keeps it so that a run's selection can be drawn over training).
 
@@ -21,21 +24,26 @@ Pure jnp functions (they run inside the train step and on host arrays alike).
 
 import jax.numpy as jnp
 
-# A patch holds part of the object when a pixel differs from the background by more than this
-# (pixels in [0, 1]).
-OBJECT_THRESHOLD = 0.1
-
 
 def _binary_entropy(p):
     p = jnp.clip(p, 1e-7, 1 - 1e-7)
     return -(p * jnp.log(p) + (1 - p) * jnp.log1p(-p))
 
 
+def _same_masks(occluded) -> jnp.ndarray:
+    """(B, B) True where two rows of `occluded` are equal."""
+    return jnp.all(occluded[:, None, :] == occluded[None, :, :], axis=-1)
+
+
 def distinct_masks(occluded) -> jnp.ndarray:
     """The number of different rows of `occluded` (B, N)."""
-    same = jnp.all(occluded[:, None, :] == occluded[None, :, :], axis=-1)
-    earlier_copy = jnp.any(jnp.tril(same, k=-1), axis=1)
+    earlier_copy = jnp.any(jnp.tril(_same_masks(occluded), k=-1), axis=1)
     return jnp.sum(~earlier_copy)
+
+
+def modal_mask_share(occluded) -> jnp.ndarray:
+    """The fraction of rows of `occluded` (B, N) equal to its most common row."""
+    return jnp.max(jnp.sum(_same_masks(occluded), axis=1)) / occluded.shape[0]
 
 
 def selection_entropy(occluded) -> jnp.ndarray:
@@ -58,12 +66,12 @@ def mask_iou(occluded) -> jnp.ndarray:
     return jnp.where(pairs > 0, (iou.sum() - jnp.trace(iou)) / max(pairs, 1.0), 1.0)
 
 
-def object_patches(pixels, patch_size: int, background: float) -> jnp.ndarray:
-    """(B, N) True where a patch of `pixels` (B, H, W, C in [0, 1]) holds part of the object."""
+def object_patches(pixels, patch_size: int, threshold: float) -> jnp.ndarray:
+    """(B, N) True where a patch of `pixels` (B, H, W, C in [0, 1]) holds part of the object:
+    a pixel above the dataset's `threshold` (specs.DatasetSpec.object_threshold)."""
     b, h, w, c = pixels.shape
     grid = pixels.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
-    difference = jnp.abs(grid - background).max(axis=(2, 4, 5))
-    return (difference > OBJECT_THRESHOLD).reshape(b, -1)
+    return (grid.max(axis=(2, 4, 5)) > threshold).reshape(b, -1)
 
 
 def statistics(occluded, on_object=None) -> dict:
@@ -71,6 +79,7 @@ def statistics(occluded, on_object=None) -> dict:
     stats = dict(
         frequency=occluded.astype(jnp.float32).mean(axis=0),
         distinct_masks=distinct_masks(occluded).astype(jnp.float32),
+        modal_mask_share=modal_mask_share(occluded),
         entropy=selection_entropy(occluded),
         mask_iou=mask_iou(occluded),
     )

@@ -117,9 +117,14 @@ def corrupted_local(ctx: Context) -> dict:
 
 
 def _learned_keep(ctx: Context, images):
-    corruption_model = rspc.PatchCorruptionModel(ctx.patch_size)
+    """C's masks: by the official rule, or (a C that samples its masks) its deterministic
+    choice, the lowest standardised scores, ties broken by fixed draws."""
+    corruption_model = rspc.make_corruption_model(ctx.config.rspc, ctx.patch_size)
     scores = corruption_model.apply({"params": ctx.corruption_params}, images)
-    return rspc.keep_mask(scores, ctx.settings.occlusion_rho)
+    if rspc.selection_temperature(ctx.config.rspc) is None:
+        return rspc.keep_mask(scores, ctx.settings.occlusion_rho)
+    ties = jax.random.gumbel(jax.random.PRNGKey(ctx.seed), scores.shape)
+    return rspc.sampled_keep_mask(scores, ctx.settings.occlusion_rho, ties, 0.0)
 
 
 def patch_occlusion(ctx: Context) -> dict:
@@ -148,10 +153,10 @@ def patch_occlusion(ctx: Context) -> dict:
                 ctx.logits(variables, ctx.occlude(images, keep, rng)), labels
             )
             out["learned_occluded"] = (keep == 0).astype(jnp.int8)
-            if ctx.spec.background is not None:
+            if ctx.spec.object_threshold is not None:
                 pixels = images * jnp.asarray(ctx.spec.std) + jnp.asarray(ctx.spec.mean)
                 out["on_object"] = selection.object_patches(
-                    pixels, ctx.patch_size, ctx.spec.background
+                    pixels, ctx.patch_size, ctx.spec.object_threshold
                 ).astype(jnp.int8)
         return out
 
@@ -183,6 +188,8 @@ def _selection_statistics(occluded: np.ndarray, on_object=None, pairs_of: int = 
     the mask IoU over the first `pairs_of` images (it compares every pair)."""
     stats = dict(
         distinct_masks=int(np.unique(occluded, axis=0).shape[0]),
+        modal_mask_share=float(np.unique(occluded, axis=0, return_counts=True)[1].max())
+        / len(occluded),
         entropy=float(selection.selection_entropy(jnp.asarray(occluded))),
         mask_iou=float(selection.mask_iou(jnp.asarray(occluded[:pairs_of]))),
         mask_iou_images=int(min(len(occluded), pairs_of)),

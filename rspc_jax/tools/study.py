@@ -155,6 +155,7 @@ def summarise(record: dict) -> dict:
         row["C: distinct masks"] = chosen["distinct_masks"]
         row["C: entropy"] = chosen["entropy"]
         row["C: mask IoU"] = chosen["mask_iou"]
+        row["C: modal mask share"] = chosen["modal_mask_share"]
         if "on_object" in chosen:
             row["C: on object"] = chosen["on_object"]
         if "blank_mask_iou" in chosen:
@@ -191,13 +192,25 @@ def _table(rows: dict, metrics: list, first_column: str) -> list[str]:
     return lines
 
 
+# config.rspc fields that change only how C selects: random selection ignores them, so a
+# learned method with them pairs with the random-patch method that has its other fields.
+SELECTION_FIELDS = ("corruption_model", "temperature", "ste", "corruption_grad_scale")
+
+
+def random_twin(method: str) -> str:
+    """'rspc lam=0.5 corruption_model=content' -> 'random_patches lam=0.5'."""
+    kept = [f for f in method.split()[1:] if f.partition("=")[0] not in SELECTION_FIELDS]
+    return " ".join(["random_patches", *kept])
+
+
 def learned_vs_random(rows: dict, seeds) -> list[tuple]:
-    """(lambda overrides, occluded-accuracy difference learned - random per seed, Cos-Sim
-    difference per seed) for every method pair that differs only in the selection."""
+    """(method, occluded-accuracy difference learned - random per seed, Cos-Sim difference
+    per seed) for every learned method and the random-patch method it differs from only in
+    the selection."""
     pairs = []
     for method in rows:
         name, _ = parse_method(method)
-        twin = " ".join(["random_patches", *method.split()[1:]])
+        twin = random_twin(method)
         if name == "rspc" and twin in rows:
             pairs.append(
                 (
@@ -271,15 +284,24 @@ def figures(records: dict, config, workdir: str) -> list[str]:
         ax.set_ylabel("randomly occluded accuracy (%)")
         ax.set_title(f"{setting}: mean ± std over seeds", fontsize=9)
         paths.append(save(fig, out, f"{setting}_occluded_accuracy.png"))
-        for method in learned[:1]:
-            source = os.path.join(
-                workdir, "runs", setting, f"{_slug(method)}_s{first}", "eval", "figures"
-            )
-            source = os.path.join(source, "learned_masks.png")
-            if os.path.exists(source):
-                target = os.path.join(out, f"{setting}_learned_masks.png")
-                shutil.copyfile(source, target)
-                paths.append(target)
+        paths += _copy_mask_figures(workdir, setting, learned, first)
+    return paths
+
+
+def _copy_mask_figures(workdir: str, setting: str, learned: list, seed: int) -> list[str]:
+    """Each learned method's figure of C's masks on test images (seed `seed`), copied to
+    figures/ (the first method's as <setting>_learned_masks.png, as before)."""
+    paths = []
+    for index, method in enumerate(learned):
+        source = os.path.join(
+            workdir, "runs", setting, f"{_slug(method)}_s{seed}", "eval", "figures"
+        )
+        source = os.path.join(source, "learned_masks.png")
+        if os.path.exists(source):
+            name = "" if index == 0 else f"_{_slug(method)}"
+            target = os.path.join(workdir, "figures", f"{setting}{name}_learned_masks.png")
+            shutil.copyfile(source, target)
+            paths.append(target)
     return paths
 
 

@@ -22,6 +22,7 @@ CHOICES = {
     "rspc.noise_space": ("normalized", "pixel"),
     "rspc.clamp": ("imagenet", "dataset", "none"),
     "rspc.selection": ("learned", "random"),
+    "rspc.corruption_model": ("official", "content"),
     "rspc.objective": ("align", "ce"),
     "rspc.fill": ("noise", "zero", "drop"),
     "adversarial.method": ("none", "fgsm", "pgd", "trades"),
@@ -118,6 +119,9 @@ RANGES = {
     "model.drop_path_rate": Range(_fraction, "in [0, 1)", "the deepest block's drop-path rate"),
     "model.dropout": Range(_fraction, "in [0, 1)", "a dropout probability"),
     "rspc.rho": Range(_open_unit, "in (0, 1)", "the fraction of patches occluded; paper: 0.1"),
+    "rspc.temperature": Range(
+        _non_negative, ">= 0", "the Gumbel top-k temperature of C's masks; 0 = C's top-k"
+    ),
     "rspc.lam": Range(_non_negative, ">= 0", "the alignment loss weight lambda; paper: 0.005"),
     "rspc.patch_size": Range(_non_negative, ">= 0", "C's patch in pixels; 0 = the model's"),
     "rspc.corruption_grad_scale": Range(_positive, "> 0", "the scale of C's STE gradient"),

@@ -100,6 +100,10 @@ def get_default_config() -> ml_collections.ConfigDict:
             noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
             clamp="imagenet",  # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
             selection="learned",  # 'learned' | 'random' (Table 3 ablation)
+            # Beyond the paper (docs/method.md, "A per-image C"): 'official' | 'content' (scores
+            # from each patch's own pixels, exactly k per image by Gumbel top-k).
+            corruption_model="official",
+            temperature=0.0,  # > 0: C's masks sampled by Gumbel top-k at this temperature
             objective="align",  # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
             fill="noise",  # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
             # | 'drop' (removed from the token sequence; ViT/DeiT)

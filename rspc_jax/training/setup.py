@@ -127,7 +127,8 @@ def step_settings(
         pixel_mean=tuple(spec.mean),
         pixel_std=tuple(spec.std),
         grad_accum_steps=config.grad_accum_steps,
-        background=spec.background,
+        object_threshold=spec.object_threshold,
+        selection_temperature=rspc.selection_temperature(r),
     )
 
 
@@ -180,7 +181,7 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     """Optimizers, state initialiser and the jitted sharded steps for `mesh`."""
     image_shape = (config.image_size, config.image_size, 3)
     corruption_model = (
-        rspc.PatchCorruptionModel(rspc.corruption_patch_size(config.rspc, model))
+        rspc.make_corruption_model(config.rspc, rspc.corruption_patch_size(config.rspc, model))
         if config.rspc.enabled
         else None
     )

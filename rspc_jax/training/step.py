@@ -73,7 +73,9 @@ class StepSettings:
     pixel_mean: Any = None  # the dataset's normalisation (adversarial training's pixel space)
     pixel_std: Any = None
     grad_accum_steps: int = 1  # micro-batches per device batch, one optimizer update
-    background: Any = None  # the dataset's empty-background pixel value, if it has one
+    object_threshold: Any = None  # pixels above it hold the object, where a dataset says so
+    # None: the official quantile rule; a temperature: C's masks by rspc.sampled_keep_mask.
+    selection_temperature: Any = None
 
 
 def create_train_state(
@@ -195,9 +197,14 @@ def _per_device_train_step(
             num_patches = (images.shape[1] // corruption_model.patch_size) * (
                 images.shape[2] // corruption_model.patch_size
             )
-            random_scores = None
+            random_scores, sampling = None, None
             if settings.random_selection:
                 random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
+            elif settings.selection_temperature is not None:
+                gumbel = rspc.gumbel_draws(
+                    jax.random.fold_in(select_rng, 1), example_ids, num_patches
+                )
+                sampling = (gumbel, settings.selection_temperature)
             probe = vary(jnp.zeros((micro_batch, num_patches), jnp.float32))
             rspc_loss = functools.partial(
                 rspc.rspc_loss,
@@ -211,6 +218,7 @@ def _per_device_train_step(
                 upper=settings.clamp_upper,
                 align_blocks=settings.align_blocks,
                 random_scores=random_scores,
+                sampling=sampling,
                 compute_dtype=settings.compute_dtype,
                 objective=settings.rspc_objective,
                 drop_tokens=settings.fill == "drop",
@@ -321,10 +329,10 @@ def _per_device_train_step(
             # C's masks, for the statistics of its selection over the global batch; and the
             # weight of its objective in the classifier's loss.
             chosen["occluded"] = (1 - aux["keep"]).astype(jnp.int8)
-            if settings.background is not None:
+            if settings.object_threshold is not None:
                 pixels = images * jnp.asarray(settings.pixel_std) + jnp.asarray(settings.pixel_mean)
                 chosen["on_object"] = selection.object_patches(
-                    pixels, corruption_model.patch_size, settings.background
+                    pixels, corruption_model.patch_size, settings.object_threshold
                 )
             if "align" in aux:
                 metrics["weighted_align_to_ce"] = settings.lam * aux["align"] / aux["ce"]
