@@ -189,6 +189,46 @@ def test_a_failed_save_stops_the_run_and_the_rerun_resumes_from_the_last_good_on
     assert _train_records(workdir) == list(range(1, 31))
 
 
+# A failed save as orbax leaves it: the writes gathered with the failed one are asyncio tasks
+# whose exceptions nobody reads, logged by asyncio ("Task exception was never retrieved", each
+# with its traceback) when they are collected at exit. The coroutine is compiled under a path
+# in orbax, as asyncio names it in the record.
+_ABANDONED_WRITES = """
+import asyncio, sys
+from rspc_jax import ReportedError
+from rspc_jax.tools import cli
+
+writer = {}
+source = "async def write():\\n    raise OSError(28, 'No space left on device')\\n"
+exec(compile(source, "/site-packages/orbax/checkpoint/_src/serialization.py", "exec"), writer)
+
+
+def main(argv):
+    loop = asyncio.new_event_loop()
+    tasks = [loop.create_task(writer["write"]()) for _ in range(3)]
+    loop.run_until_complete(asyncio.sleep(0.05))
+    raise ReportedError("saving checkpoint 4 failed (OSError: No space left on device).")
+
+
+sys.argv = ["rspc_jax.main", *sys.argv[1:]]
+cli.run(main)
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_failed_saves_paragraph_is_the_last_thing_printed(verbose):
+    result = run_python(
+        ["-c", _ABANDONED_WRITES, "--malloc=system", *(["--verbose"] if verbose else [])],
+        timeout=120,
+    )
+    assert result.returncode == 1
+    leftovers = "Task exception was never retrieved" in result.stderr
+    assert leftovers == verbose, result.stderr  # --verbose shows orbax's tracebacks
+    if not verbose:
+        assert result.stderr.startswith("rspc_jax.main: error: saving checkpoint 4 failed")
+        assert result.stderr.rstrip().endswith("No space left on device).")
+
+
 def test_a_resumed_run_logs_each_step_once_and_reads_past_a_cut_last_line(base_run, tmp_path):
     config, base = base_run
     workdir = _copy(base, tmp_path)

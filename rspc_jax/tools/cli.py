@@ -83,12 +83,24 @@ def _parse_flags(argv: list[str]) -> list[str]:
         _fail(f"{_flag_error_text(error)} Run with --helpfull to list the flags.")
 
 
+class _OrbaxTasks(std_logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" records of orbax's tasks: when
+    one write of a save fails (a full disk), the writes gathered with it fail too and are
+    logged, each with its traceback, when collected at exit, after the one paragraph that
+    already reports the failure."""
+
+    def filter(self, record) -> bool:
+        return _ORBAX not in record.getMessage()
+
+
 def _hide_orbax_leftovers() -> None:
     """After a failed checkpoint read or write, orbax's abandoned coroutines fail again when
-    collected ("Exception ignored in <coroutine ...>", each with a whole TensorStore spec) and
+    collected ("Exception ignored in <coroutine ...>", each with a whole TensorStore spec),
+    its abandoned tasks are logged by asyncio ("Task exception was never retrieved") and
     tensorstore completes the remaining futures into closed event loops ("Event loop is
     closed"): dozens of tracebacks around an error that is already reported once, in one
     paragraph. Only those are dropped (--verbose keeps them)."""
+    std_logging.getLogger("asyncio").addFilter(_OrbaxTasks())
     excepthook, unraisablehook = sys.excepthook, sys.unraisablehook
 
     def quiet_excepthook(kind, value, tb):  # the same error printed from tensorstore's threads
