@@ -16,9 +16,10 @@ import optax
 import pytest
 import tensorstore as ts
 
+from rspc_jax import ConfigError
 from rspc_jax.interop import checkpoints
+from rspc_jax.training import checks, optim, reporting
 from rspc_jax.training import loop as train
-from rspc_jax.training import optim, reporting
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +260,10 @@ def test_a_resumed_run_logs_each_step_once_and_reads_past_a_cut_last_line(base_r
         ("--config.rspc.optimizer.lr=0", "config.rspc.optimizer.lr"),
         ("--config.keep_checkpoints=0", "config.keep_checkpoints"),
         ("--config.rspc.noise_space=raw", "config.rspc.noise_space"),
+        ("--config.model.depth=0", "config.model.depth=0 cannot build a model"),
+        ("--config.model.num_heads=-2", "config.model.num_heads=-2 cannot build a model"),
+        ("--config.model.mlp_ratio=0", "config.model.mlp_ratio"),
+        ("--config.model.width=90", "not divisible by config.model.num_heads=4"),
         ("--config.rspc.rhoo=0.2", "no field 'rhoo'"),
         ("--config=configs/nope.py", "config file 'configs/nope.py' does not exist"),
     ],
@@ -272,6 +277,17 @@ def test_a_bad_value_is_refused_in_one_paragraph_before_anything_is_built(tmp_pa
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("rspc_jax.main: error:")
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize(
+    "model", [dict(depth=(2, 0)), dict(heads=(3, 6.5)), dict(patch_size=0), dict(depths=())]
+)
+def test_every_models_architecture_fields_are_checked(model):
+    config = smoke_config("/nonexistent")
+    config.model_name = "rvt_tiny"
+    config.model = model
+    with pytest.raises(ConfigError, match=f"config.model.{next(iter(model))}=.* cannot build"):
+        checks.validate_config(config)
 
 
 def test_a_workdir_that_cannot_be_written_is_refused(tmp_path):

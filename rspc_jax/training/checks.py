@@ -116,6 +116,7 @@ RANGES = {
     "mixup.cutmix_alpha": Range(_non_negative, ">= 0", "CutMix's Beta parameter; 0 = off"),
     "mixup.prob": Range(_probability, "in [0, 1]", "the probability of mixing a batch"),
     "mixup.switch_prob": Range(_probability, "in [0, 1]", "the probability of CutMix over Mixup"),
+    "model.mlp_ratio": Range(_positive, "> 0", "the MLP's hidden width over the token width"),
     "model.drop_path_rate": Range(_fraction, "in [0, 1)", "the deepest block's drop-path rate"),
     "model.dropout": Range(_fraction, "in [0, 1)", "a dropout probability"),
     "rspc.rho": Range(_open_unit, "in (0, 1)", "the fraction of patches occluded; paper: 0.1"),
@@ -144,6 +145,52 @@ RANGES = {
     "evaluation.occlusion_rho": Range(_open_unit, "in (0, 1)", "the occluded fraction"),
     "evaluation.occlusion_masks": Range(_at_least_one, ">= 1", "random masks per image"),
 }
+
+
+# The models' architecture fields that `config.model` may override (each model has some):
+# whole numbers >= 1, or per stage a tuple of them (RVT's depth, heads and base_dims, Swin's
+# depths and num_heads); mlp_ratio is in RANGES.
+ARCHITECTURE = {
+    "depth": "the number of transformer blocks (of each stage, for RVT)",
+    "depths": "the number of blocks of each stage",
+    "width": "the token width",
+    "embed_dim": "the token width",
+    "base_dims": "the width per attention head of each stage",
+    "num_heads": "the number of attention heads (of each stage, for Swin)",
+    "heads": "the number of attention heads of each stage",
+    "patch_size": "the token's patch in pixels",
+    "embed_patch_size": "the token's patch in pixels",
+    "hybrid_patch_size": "the patch of the convolutional stem's output",
+    "window_size": "the attention window in tokens",
+}
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_architecture(model) -> None:
+    """Each architecture field of `model` (config.model) can build a model: a model of
+    depth 0 would fail only when traced, with a KeyError."""
+    for name, meaning in ARCHITECTURE.items():
+        value = model.get(name)
+        if value is None:
+            continue
+        values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        if not values or not all(map(_is_count, values)):
+            raise ConfigError(
+                f"config.model.{name}={value!r} cannot build a model: {meaning} must be a "
+                f"whole number >= 1. Fix it in the config file or pass "
+                f"--config.model.{name}=<value>."
+            )
+    for width in ("width", "embed_dim"):
+        heads = model.get("num_heads")
+        if _is_count(model.get(width)) and _is_count(heads) and model[width] % heads:
+            raise ConfigError(
+                f"config.model.{width}={model[width]} is not divisible by config.model."
+                f"num_heads={heads}: each attention head gets an equal share of the token "
+                "width; pick a width that is a multiple of the heads."
+            )
 
 
 def _get(config, dotted: str):
@@ -186,6 +233,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         value = _get(config, name)
         if value is not None:
             _check_number(name, value, valid_range)
+    _check_architecture(config.get("model") or {})
     opt = config.optimizer
     # With total_steps > 0 (a truncated run) the schedule clips the warm-up to the run.
     if not config.total_steps and opt.warmup_epochs + opt.cooldown_epochs >= config.num_epochs:
