@@ -2,16 +2,18 @@
 interpolation, and logits parity with timm in both directions (needs torch + timm,
 which requirements-test.txt installs; the numpy-only tests run without them)."""
 
+import argparse
 import functools
 import importlib.util
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rspc_jax import models
+from rspc_jax import ReportedError, models
 from rspc_jax.interop import state_dicts as interop
 from tests.conftest import assert_trees_equal, run_python
 
@@ -127,6 +129,35 @@ def test_truncated_or_missing_file_gives_a_clear_error(tiny_rvt, tmp_path, suffi
         interop.load_checkpoint(str(path), variables)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         interop.load_checkpoint(str(tmp_path / f"absent{suffix}"), variables)
+
+
+class _Payload:
+    """A pickled object whose loading would run code: it would create `marker`."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.marker),))
+
+
+@pytest.mark.parametrize("extra", ["namespace", "payload"])
+def test_a_pth_with_python_objects_is_refused_with_how_to_convert_it(tiny_rvt, tmp_path, extra):
+    torch = pytest.importorskip("torch")
+    _, variables = tiny_rvt
+    state_dict = {k: torch.tensor(v) for k, v in interop.export_state_dict(variables).items()}
+    marker = tmp_path / "payload_ran"
+    objects = argparse.Namespace(lr=0.1) if extra == "namespace" else _Payload(marker)
+    path = tmp_path / "trained.pth"
+    torch.save({"model": state_dict, "args": objects}, path)
+    with pytest.raises(interop.CheckpointFileError) as error:
+        interop.load_checkpoint(str(path), variables)
+    message = str(error.value)
+    assert isinstance(error.value, ReportedError)  # one paragraph from the tools
+    for part in ("holds Python objects that are not tensors", "can run code", "weights_only=False"):
+        assert part in message
+    assert "is the file complete" not in message
+    assert not marker.exists()
 
 
 def test_reset_head_keeps_the_fresh_head_and_loads_the_rest(tmp_path):

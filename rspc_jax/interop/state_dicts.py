@@ -11,6 +11,8 @@ moves state dicts between files and models, so that every conversion has one pla
 import functools
 import io
 import os
+import pickle
+import re
 from typing import Any
 
 import flax
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 
-from rspc_jax import models
+from rspc_jax import ReportedError, models
 from rspc_jax.interop import layout as torch_layout
 
 TORCH_HINT = "pip install -r requirements-torch.txt"
@@ -42,6 +44,32 @@ def _import_torch(path: str):
     return torch
 
 
+class CheckpointFileError(ReportedError, ValueError):
+    """A weights file that cannot be read: incomplete, in another format than its suffix
+    says, or holding Python objects that the safe loader refuses."""
+
+
+def _refused_by_safe_loader(error: Exception) -> bool:
+    """Whether `torch.load(weights_only=True)` refused the file's content: a pickle that
+    holds Python objects other than tensors and containers (torch names the first one)."""
+    return isinstance(error, pickle.UnpicklingError) and "Weights only load failed" in str(error)
+
+
+def _not_weights_only(path: str, error: Exception) -> CheckpointFileError:
+    """The paragraph of a .pth that the safe loader refuses, with how to convert it."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    what = f" (the first is {found.group(1)})" if found else ""
+    return CheckpointFileError(
+        f"checkpoint {path} holds Python objects that are not tensors{what}. Loading such a "
+        "pickle can run code from it, so it is read only with PyTorch's safe loader "
+        "(torch.load with weights_only=True), which refuses it. If you trust the file, "
+        "convert it once in PyTorch: checkpoint = torch.load(PATH, weights_only=False), then "
+        "torch.save(checkpoint['model'] (or whichever entry holds the state dict), "
+        "'weights.pth'), or save that state dict with safetensors.torch.save_file as "
+        ".safetensors, and pass the converted file."
+    )
+
+
 def _read_file(path: str) -> Any:
     if not tf.io.gfile.exists(path):
         raise FileNotFoundError(f"checkpoint {path} does not exist")
@@ -61,7 +89,9 @@ def _read_file(path: str) -> Any:
     except ImportError:
         raise
     except Exception as e:  # each reader has its own exception types for a bad file
-        raise ValueError(
+        if _refused_by_safe_loader(e):
+            raise _not_weights_only(path, e) from e
+        raise CheckpointFileError(
             f"could not read checkpoint {path} ({type(e).__name__}: {e}); "
             "is the file complete and in the format its suffix says?"
         ) from e
