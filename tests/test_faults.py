@@ -112,6 +112,30 @@ def test_a_checkpoint_of_another_model_is_a_mismatch_not_damage(base_run, tmp_pa
     assert not (workdir / "checkpoints.unreadable").exists()
 
 
+def test_a_damaged_record_file_is_one_paragraph_and_the_last_checkpoint_stays(base_run, tmp_path):
+    config, base = base_run
+    workdir = _copy(base, tmp_path)
+    damaged = tmp_path / "tfds"
+    shutil.copytree(config.data_dir, damaged)
+    (record,) = damaged.glob("sklearn_digits/*/sklearn_digits-train.tfrecord*")
+    os.truncate(record, os.path.getsize(record) // 2)
+    config = _config(str(damaged), total_steps=6, checkpoint_every_steps=2)
+    with pytest.raises(train.DamagedDataError) as error:
+        train.train_and_evaluate(config, str(workdir))
+    message = " ".join(str(error.value).split())
+    for part in (
+        "dataset 'sklearn_digits' is damaged",
+        f"a record file in {record.parent}",
+        "truncated record",
+        f"tfds build sklearn_digits --data_dir={damaged}",
+        "restore the file",
+        "The checkpoint of step 4",
+        "stays the resume point",
+    ):
+        assert part in message, message
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+
+
 def _poisoned_at(step: int) -> optax.GradientTransformation:
     """Infinite updates at `step` (1-based), as a diverging learning rate would give: the loss
     of that step is still finite (it was computed before the update)."""

@@ -6,6 +6,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import signal
 import threading
 
@@ -17,7 +18,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from rspc_jax import parallel
+from rspc_jax import ReportedError, parallel
 from rspc_jax.data import records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
@@ -29,12 +30,55 @@ from rspc_jax.training import reporting as metrics_lib
 from rspc_jax.training import step as train_step_lib
 
 
+class DamagedDataError(ReportedError, OSError):
+    """A record file of the dataset cannot be read to its end (cut short, garbled, gone)."""
+
+
 def resolve_workdir(workdir: str) -> str:
     """Creates `workdir`; local paths become absolute (orbax needs that), gs:// stays."""
     if "://" not in workdir:
         workdir = os.path.abspath(workdir)
     tf.io.gfile.makedirs(workdir)
     return workdir
+
+
+def _record_file(message: str) -> str | None:
+    """The data file an error of tf.data names, if any (a truncated record does not)."""
+    found = re.search(r"\S*\.(?:tfrecord|array_record)\S*", message)
+    return found.group(0).rstrip(";:,'\"") if found else None
+
+
+def _last_checkpoint(workdir: str) -> int | None:
+    """The newest finished checkpoint step in `workdir`, None before the first."""
+    directory = os.path.join(workdir, "checkpoints")
+    steps = tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []
+    return max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
+
+
+def _damaged_data(config, workdir: str, error: tf.errors.OpError) -> DamagedDataError:
+    """The paragraph of a dataset whose record file cannot be read: which dataset (and file,
+    when TensorFlow names it), what is wrong, how to rebuild it, and where the run resumes."""
+    message = error.message.split(" [Op:")[0].split("}} ")[-1]
+    builder = records.get_builder(config.dataset, config.data_dir)
+    folder = builder.data_dir  # <data_dir>/<name>[/<config>]/<version>
+    data_dir = folder.split(os.sep + builder.name + os.sep)[0]
+    path = _record_file(message)
+    which = f"{path}" if path else f"a record file in {folder} (TensorFlow does not say which)"
+    last = _last_checkpoint(workdir)
+    resume = (
+        f"The checkpoint of step {last} in {workdir}/checkpoints is intact and stays the resume "
+        "point"
+        if last is not None
+        else "No checkpoint was written yet"
+    )
+    return DamagedDataError(
+        f"dataset {config.dataset!r} is damaged: {which} cannot be read ({message}); it is "
+        "shorter than its records say, garbled or gone, e.g. a copy cut off. Rebuild the "
+        f"dataset with `tfds build {config.dataset} --data_dir={data_dir}` (or delete "
+        f"{folder} for a dataset this project builds from a package, such as the digits, and "
+        "the next run rebuilds it), or restore the file from an intact copy. "
+        f"{resume}; rerun the same command to resume."
+    )
 
 
 class BestKeeper:
@@ -197,7 +241,12 @@ def train_and_evaluate(
     setup.validate_config(config)
     workdir = resolve_workdir(workdir)
     with _workdir_locked(workdir, force_unlock) as lock:
-        return _train_and_evaluate(config, workdir, should_stop, lock)
+        try:
+            return _train_and_evaluate(config, workdir, should_stop, lock)
+        except (tf.errors.DataLossError, tf.errors.NotFoundError) as error:
+            if isinstance(error, tf.errors.NotFoundError) and not _record_file(error.message):
+                raise
+            raise _damaged_data(config, workdir, error) from None
 
 
 def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
