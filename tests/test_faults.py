@@ -14,11 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import tensorflow as tf
 import tensorstore as ts
 
 from rspc_jax import ConfigError
 from rspc_jax.interop import checkpoints
-from rspc_jax.training import checks, optim, reporting
+from rspc_jax.training import checks, optim, reporting, setup
 from rspc_jax.training import loop as train
 
 
@@ -323,6 +324,44 @@ def test_a_workdir_that_cannot_be_written_is_refused(tmp_path):
         )
         assert result.returncode == 1 and message in _text(result), result.stderr
         assert "Traceback" not in result.stderr
+
+
+def _unreachable(*args, **kwargs):
+    raise tf.errors.FailedPreconditionError(
+        None,
+        None,
+        "Error executing an HTTP request: Could not resolve host: storage.googleapis.com",
+    )
+
+
+def _forbidden(*args, **kwargs):
+    raise tf.errors.PermissionDeniedError(None, None, "Error executing an HTTP request: 403")
+
+
+@pytest.mark.parametrize(
+    "call,cause",
+    [
+        ("makedirs", "FailedPreconditionError: Error executing an HTTP request: Could not resolve"),
+        ("GFile", "PermissionDeniedError: Error executing an HTTP request: 403"),
+    ],
+)
+def test_a_bucket_workdir_that_cannot_be_reached_or_written_names_the_causes(
+    digits_data_dir, monkeypatch, call, cause
+):
+    monkeypatch.setattr(tf.io.gfile, "makedirs", _unreachable if call == "makedirs" else print)
+    monkeypatch.setattr(tf.io.gfile, "GFile", _forbidden)
+    monkeypatch.setattr(setup, "build", None)  # nothing is built, let alone compiled
+    with pytest.raises(ConfigError) as error:
+        train.train_and_evaluate(_config(digits_data_dir), "gs://nonexistent/run")
+    message = str(error.value)
+    for part in (
+        f"cannot write into --workdir gs://nonexistent/run ({cause}",
+        "no credentials (`gcloud auth list`",
+        "no network route",
+        "`gsutil ls gs://nonexistent`",
+        "no permission to write into the bucket",
+    ):
+        assert part in message, message
 
 
 def test_the_checks_run_before_jax_and_tensorflow_are_imported():

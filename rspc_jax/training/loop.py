@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import threading
+import uuid
 
 from absl import logging
 from clu import parameter_overview
@@ -18,7 +19,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from rspc_jax import ReportedError, parallel
+from rspc_jax import ConfigError, ReportedError, parallel
 from rspc_jax.data import records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
@@ -35,11 +36,42 @@ class DamagedDataError(ReportedError, OSError):
 
 
 def resolve_workdir(workdir: str) -> str:
-    """Creates `workdir`; local paths become absolute (orbax needs that), gs:// stays."""
+    """Creates `workdir` and writes a test file into it, so that a bucket that cannot be
+    reached or written fails here, before anything compiles, with its likely causes; local
+    paths become absolute (orbax needs that), gs:// stays."""
     if "://" not in workdir:
         workdir = os.path.abspath(workdir)
-    tf.io.gfile.makedirs(workdir)
+    probe = os.path.join(workdir, f".write-test-{uuid.uuid4().hex}")
+    try:
+        tf.io.gfile.makedirs(workdir)
+        with tf.io.gfile.GFile(probe, "w") as f:
+            f.write("ok")
+        tf.io.gfile.remove(probe)
+    except tf.errors.OpError as error:
+        raise _unwritable_workdir(workdir, error) from None
     return workdir
+
+
+def _unwritable_workdir(workdir: str, error: tf.errors.OpError) -> ConfigError:
+    """The paragraph of a workdir that cannot be created or written; for a bucket, its
+    likely causes and how to check each."""
+    cause = f"{type(error).__name__}: {error.message.splitlines()[0] if error.message else ''}"
+    if "://" not in workdir:
+        return ConfigError(
+            f"cannot write into --workdir {workdir} ({cause}). Pass a directory you can write "
+            "to (or fix its permissions / free disk space)."
+        )
+    scheme, rest = workdir.split("://", 1)
+    bucket = f"{scheme}://{rest.split('/')[0]}"
+    return ConfigError(
+        f"cannot write into --workdir {workdir} ({cause}). The likely causes, and how to "
+        f"check each from this machine: no credentials (`gcloud auth list`; on a VM, its "
+        f"service account and access scopes), no network route to the storage service "
+        f"(`gsutil ls {bucket}`; a VM without an external IP needs Private Google Access), "
+        f"or no permission to write into the bucket, or no such bucket (`gsutil iam get "
+        f"{bucket}`, or `echo ok | gsutil cp - {workdir}/probe`). Fix the cause, or pass a "
+        "local --workdir, and rerun."
+    )
 
 
 def _record_file(message: str) -> str | None:
