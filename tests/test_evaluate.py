@@ -112,8 +112,19 @@ def test_nothing_occluded_gives_clean_accuracy_and_unit_cos_sim(
     occlusion = results["patch_occlusion"]
     assert occlusion["occluded_patches"] == 0
     assert occlusion["per_mask_accuracy"] == [occlusion["clean_accuracy"]] * 4
+    clean = occlusion["clean_accuracy"]
+    assert occlusion["every_mask_accuracy"] == dict(masks=1, mean=clean, worst_case=clean)
     assert results["attention_stability"]["mean_cos_sim"] == pytest.approx(1.0, abs=1e-5)
     assert results["attention_stability"]["per_image"]["min"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_every_mask_is_each_way_to_occlude_k_patches_once():
+    from rspc_jax.evaluation import occlusion
+
+    masks = occlusion.every_keep_mask(16, 2)
+    assert masks.shape == (120, 16)
+    np.testing.assert_array_equal((masks == 0).sum(axis=1), 2)
+    assert len({m.tobytes() for m in masks}) == 120
 
 
 _COUNT_SCRIPT = """

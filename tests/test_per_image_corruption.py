@@ -159,3 +159,5 @@ def test_train_step_trains_the_content_model_with_per_image_masks(digits_data_di
     assert chosen["distinct_masks"] >= 2 and 0 < chosen["modal_mask_share"] < 1
     assert "blank_mask_iou" not in chosen  # the textured digits have no blank image
     assert 0 <= chosen["on_object"] <= 1
+    every = results["patch_occlusion"]["every_mask_accuracy"]
+    assert every["masks"] == 120 and 0 <= every["worst_case"] <= every["mean"] <= 1

@@ -10,9 +10,12 @@ Definitions (docs/evaluation.md, "Occlusion and attention stability"; the paper 
 """
 
 from collections.abc import Sequence
+import itertools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rspc_jax import rspc
 
@@ -22,6 +25,15 @@ def random_keep_masks(rng: jax.Array, batch: int, num_patches: int, occluded: in
     order = jnp.argsort(jax.random.uniform(rng, (batch, num_patches)), axis=1)
     ranks = jnp.argsort(order, axis=1)
     return (ranks >= occluded).astype(jnp.float32)
+
+
+def every_keep_mask(num_patches: int, occluded: int) -> np.ndarray:
+    """(C(N, k), N) float keep-masks: every way to occlude `occluded` of `num_patches`
+    patches (120 for 2 of 16), for the worst-case occlusion accuracy."""
+    masks = np.ones((math.comb(num_patches, occluded), num_patches), np.float32)
+    for row, chosen in zip(masks, itertools.combinations(range(num_patches), occluded)):
+        row[list(chosen)] = 0.0
+    return masks
 
 
 def occlude_patches(

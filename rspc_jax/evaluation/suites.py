@@ -4,6 +4,7 @@ returns a JSON-serialisable dict (plus arrays for the figures under 'figures', w
 the caller strips)."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +131,16 @@ def _learned_keep(ctx: Context, images):
 def patch_occlusion(ctx: Context) -> dict:
     masks, occluded = ctx.settings.occlusion_masks, ctx.occluded_count()
     learned = ctx.corruption_params is not None and ctx.settings.occlusion_rho > 0
+    every = None
+    if 0 < math.comb(ctx.num_patches(), occluded) <= ctx.settings.occlusion_every_mask_limit:
+        every = jnp.asarray(occlusion.every_keep_mask(ctx.num_patches(), occluded))
+
+    def every_mask(variables, batch, rng, keep):
+        """Correct under one mask, the same for every image (same noise for every mask)."""
+        images = batch["image"]
+        keep = jnp.broadcast_to(keep, (images.shape[0], keep.shape[0]))
+        logits = ctx.logits(variables, ctx.occlude(images, keep, rng))
+        return runner.correct(logits, batch["label"])
 
     def step(variables, batch, rng):
         images, labels = batch["image"], batch["label"]
@@ -147,6 +158,10 @@ def patch_occlusion(ctx: Context) -> dict:
             clean=runner.correct(ctx.logits(variables, images), labels),
             random=jax.lax.map(one_mask, jax.random.split(rng, masks)).T,
         )
+        if every is not None:
+            out["every"] = jax.lax.map(
+                functools.partial(every_mask, variables, batch, rng), every
+            ).T
         if learned:
             keep = _learned_keep(ctx, images)
             out["learned"] = runner.correct(
@@ -174,6 +189,12 @@ def patch_occlusion(ctx: Context) -> dict:
         per_mask_accuracy=[float(a) for a in per_mask],
         num_examples=int(out["clean"].size),
     )
+    if every is not None:
+        result["every_mask_accuracy"] = dict(
+            masks=int(every.shape[0]),
+            mean=float(out["every"].mean()),
+            worst_case=float(out["every"].min(axis=1).mean()),
+        )
     if learned:
         result["learned_mask_accuracy"] = float(out["learned"].mean())
         result["selection"] = _selection_statistics(out["learned_occluded"], out.get("on_object"))

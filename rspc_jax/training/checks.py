@@ -79,6 +79,7 @@ _INTEGER = (
     "repeated_augment",
     "adversarial.steps",
     "evaluation.occlusion_masks",
+    "evaluation.occlusion_every_mask_limit",
 )
 _INTEGER_SUFFIXES = ("_steps", "_every_steps", "keep_checkpoints", "shuffle_buffer")
 
@@ -144,6 +145,9 @@ RANGES = {
     "keep_checkpoints": Range(_at_least_one, ">= 1", "checkpoints kept"),
     "evaluation.occlusion_rho": Range(_open_unit, "in (0, 1)", "the occluded fraction"),
     "evaluation.occlusion_masks": Range(_at_least_one, ">= 1", "random masks per image"),
+    "evaluation.occlusion_every_mask_limit": Range(
+        _non_negative, ">= 0", "the most masks tried exhaustively; 0 = none"
+    ),
 }
 
 

@@ -147,6 +147,9 @@ def get_default_config() -> ml_collections.ConfigDict:
             cifar100_c_dir="",
             occlusion_rho=0.1,  # the paper's analyses occlude 10% of the patches
             occlusion_masks=100,  # random masks per image (Fig. 2 right)
+            # Where there are at most this many masks of the same count (120 for 2 of 16
+            # patches), every one is tried too: the worst-case occlusion accuracy.
+            occlusion_every_mask_limit=256,
             fgsm_eps=1 / 255,  # RSPC_RVT --fgsm_test
             pgd_eps=8 / 255,
             pgd_step=2 / 255,
