@@ -17,6 +17,8 @@ no create-if-absent: two runs that start within a second of each other may both 
 file. The last write wins, and the other run finds the file naming another run at its next
 heartbeat and stops at the log step after it (`check`). The same holds for two runs that take
 over one abandoned lock at the same moment (a removal, then a create), on any filesystem.
+The pid test assumes that a host name names one pid namespace: containers that share a host
+name but not their pids should not share a workdir.
 
 Light on purpose (no JAX; TensorFlow only for remote paths), so that it is tested fast.
 """
@@ -219,7 +221,9 @@ class WorkdirLock:
         while not self._stop.wait(every_s) and self._lost is None:
             try:
                 self.refresh()
-            except OSError as error:  # a bucket hiccup: the next beat tries again
+            # A bucket hiccup (tf.errors are no OSErrors) must not end the heartbeat: the
+            # next beat tries again.
+            except Exception as error:
                 logging.warning("could not refresh the workdir lock %s: %s", self.path, error)
 
     def refresh(self) -> None:
