@@ -146,7 +146,8 @@ def summarise(record: dict) -> dict:
     if "every_mask_accuracy" in occlusion:
         row["every mask"] = occlusion["every_mask_accuracy"]["mean"]
         row["worst case"] = occlusion["every_mask_accuracy"]["worst_case"]
-    row["Cos-Sim"] = results["attention_stability"]["mean_cos_sim"]
+    if "attention_stability" in results:
+        row["Cos-Sim"] = results["attention_stability"]["mean_cos_sim"]
     if "train/weighted_align_to_ce" in log[-1]:
         row["λ·L_align/CE"] = log[-1]["train/weighted_align_to_ce"]
     if "train/selection_entropy" in log[0]:

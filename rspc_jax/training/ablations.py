@@ -36,6 +36,11 @@ ABLATIONS = {
         "L_align (the classifier descends CE(clean) + CE(occluded))",
         _rspc(objective="ce", lam=1.0),
     ),
+    "per_image_c": (
+        "beyond the paper: C scores each patch from its own pixels (no position term) and "
+        "samples its masks by Gumbel top-k at temperature 1 (docs/method.md, 'A per-image C')",
+        _rspc(corruption_model="content", temperature=1.0),
+    ),
     "zero_fill": (
         "occluded patches set to 0 in the model input instead of uniform noise",
         _rspc(fill="zero"),
