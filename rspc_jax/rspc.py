@@ -51,6 +51,16 @@ def check_ratio(rho: float) -> None:
         raise ValueError(f"occlusion ratio rho must lie in (0, 1), got {rho}; the paper uses 0.1")
 
 
+def _check_patch_grid(images, patch_size: int) -> int:
+    """Refuses images that patches of `patch_size` do not tile; returns their channels."""
+    height, width, channels = images.shape[1:]
+    if height % patch_size or width % patch_size:
+        raise ValueError(
+            f"image size {height}x{width} is not divisible by the RSPC patch size {patch_size}"
+        )
+    return channels
+
+
 class PatchCorruptionModel(nn.Module):
     """The lightweight corruption model C. Its Dense layer is N x N, N read from the input."""
 
@@ -58,12 +68,7 @@ class PatchCorruptionModel(nn.Module):
 
     @nn.compact
     def __call__(self, images):
-        height, width, channels = images.shape[1:]
-        if height % self.patch_size or width % self.patch_size:
-            raise ValueError(
-                f"image size {height}x{width} is not divisible by the RSPC "
-                f"patch size {self.patch_size}"
-            )
+        channels = _check_patch_grid(images, self.patch_size)
         fan_in = channels * self.patch_size**2
         x = layers.Conv(
             1,
@@ -98,12 +103,7 @@ class ContentCorruptionModel(nn.Module):
 
     @nn.compact
     def __call__(self, images):
-        height, width, channels = images.shape[1:]
-        if height % self.patch_size or width % self.patch_size:
-            raise ValueError(
-                f"image size {height}x{width} is not divisible by the RSPC "
-                f"patch size {self.patch_size}"
-            )
+        channels = _check_patch_grid(images, self.patch_size)
         x = layers.Conv(
             self.hidden,
             self.patch_size,
@@ -137,8 +137,8 @@ def keep_mask(scores: jax.Array, rho: float) -> jax.Array:
     return (scores > threshold).astype(scores.dtype)
 
 
-# Ties between standardised scores are broken by Gumbel noise of this scale: far below any
-# difference that float32 scores of distinct patches show, so it orders exact ties only.
+# At temperature 0 ties between standardised scores are broken by Gumbel noise of this scale:
+# it reorders only scores within a few millionths of a standard deviation of each other.
 TIE_BREAK = 1e-6
 
 
