@@ -340,11 +340,14 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
         "",
         f"Seeds {seeds}; every number is mean ± std over the seeds. Accuracies and Cos-Sim in "
         "percent. 'occluded': mean accuracy over the random masks of each test image; "
-        "λ·L_align/CE and the training entropies come from the training log (the first and "
-        "the last log step); the 'C:' columns describe C's masks on the test set (with random "
-        "selection C is never updated, so they show C at initialisation): distinct masks (of the test images), entropy of the per-position "
-        "frequency (1 = uniform, 0 = one mask), mean IoU of two images' masks, fraction of "
-        "selected patches on the digit.",
+        "'every mask' and 'worst case' (where there are few enough masks): the mean accuracy "
+        "over every mask of that many patches, and the share of images classified correctly "
+        "under every one of them; λ·L_align/CE and the training entropies come from the "
+        "training log (the first and the last log step); the 'C:' columns describe C's masks "
+        "on the test set (with random selection C is never updated, so they show C at "
+        "initialisation): distinct masks (of the test images), entropy of the per-position "
+        "frequency (1 = uniform, 0 = one mask), mean IoU of two images' masks, share of the "
+        "images that get the most common mask, fraction of selected patches on the digit.",
         "",
         "## Headline: randomly occluded accuracy (%)",
         "",
