@@ -84,13 +84,15 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 class _OrbaxTasks(std_logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" records of orbax's tasks: when
-    one write of a save fails (a full disk), the writes gathered with it fail too and are
-    logged, each with its traceback, when collected at exit, after the one paragraph that
-    already reports the failure."""
+    """Drops asyncio's "Task/Future exception was never retrieved" records of orbax's
+    writes (a task of orbax's code, or a future failed writing into orbax's temporary
+    checkpoint folder): when one write of a save fails (a full disk), the writes gathered
+    with it fail too and are logged, each with its traceback, when collected at exit, after
+    the one paragraph that already reports the failure."""
 
     def filter(self, record) -> bool:
-        return _ORBAX not in record.getMessage()
+        message = record.getMessage()
+        return _ORBAX not in message and _ORBAX_TEMPORARY not in message
 
 
 def _hide_orbax_leftovers() -> None:
@@ -209,6 +211,7 @@ class _OursOrAtLeast(std_logging.Filter):
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ORBAX = os.sep + os.path.join("orbax", "checkpoint") + os.sep
+_ORBAX_TEMPORARY = ".orbax-checkpoint-tmp"  # the folder orbax writes a step into
 
 
 def start(argv, config=None, libraries: str = "error"):
