@@ -263,7 +263,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 def check_workdir(workdir: str) -> None:
     """A local workdir is a directory this process can create and write into (gs:// and other
-    remote paths are checked by the first write)."""
+    remote paths need TensorFlow's filesystems: `training.loop.resolve_workdir` writes and
+    removes a test file there before anything is built)."""
     if "://" in workdir:
         return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
