@@ -207,10 +207,10 @@ def patch_occlusion(ctx: Context) -> dict:
 def _selection_statistics(occluded: np.ndarray, on_object=None, pairs_of: int = 1024) -> dict:
     """evaluation/selection.py's numbers over the eval set: distinct masks counted exactly,
     the mask IoU over the first `pairs_of` images (it compares every pair)."""
+    _, counts = np.unique(occluded, axis=0, return_counts=True)
     stats = dict(
-        distinct_masks=int(np.unique(occluded, axis=0).shape[0]),
-        modal_mask_share=float(np.unique(occluded, axis=0, return_counts=True)[1].max())
-        / len(occluded),
+        distinct_masks=int(len(counts)),
+        modal_mask_share=float(counts.max()) / len(occluded),
         entropy=float(selection.selection_entropy(jnp.asarray(occluded))),
         mask_iou=float(selection.mask_iou(jnp.asarray(occluded[:pairs_of]))),
         mask_iou_images=int(min(len(occluded), pairs_of)),
