@@ -328,16 +328,17 @@ def test_the_step_compiles_and_memory_returns_to_the_os_before_the_first_step(
     assert events[-1] == "release"  # after the last step's evaluation compiled the eval steps
 
 
-def _rspc_step_both_ways(digits_data_dir, switch):
-    """The smoke RSPC step compiled under `switch('auto')` and `switch('xla')`: for each
-    choice, the compiled step and its new state and metrics on the host."""
+def _rspc_step_both_ways(digits_data_dir, choice_name, cpu_form):
+    """The smoke RSPC step compiled with `ops.implementations` choice `choice_name` set to
+    its CPU form (the CPU default, results under 'auto') and to 'xla': for each, the
+    compiled step and its new state and metrics on the host."""
     config = smoke_config(digits_data_dir)
     spec = datasets.dataset_spec(config.dataset)
     mesh = parallel.create_mesh()
     batch = parallel.to_global(first_batches(config)[0], mesh)
     results = {}
-    for choice in ("auto", "xla"):
-        with switch(choice):
+    for choice, value in (("auto", cpu_form), ("xla", "xla")):
+        with ops.implementations(**{choice_name: value}):
             model = setup.build_model(config, spec.num_classes)
             parts = setup.build(config, model, spec, mesh, steps_per_epoch=20, total_steps=20)
         state = parts.init(jax.random.PRNGKey(0))
@@ -351,10 +352,9 @@ def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_
 ):
     """XLA:CPU's memory-optimized schedule (`ops.compiler_options`, the default) reaches the
     compile of the RSPC step (its temporaries differ from those under XLA's own schedule;
-    which is smaller depends on the model and size: docs/speed.md, "CPU: the softmax's
-    derivative and GELU's erf (2026-12-01)"), and its new state and metrics are bitwise the
-    same."""
-    results = _rspc_step_both_ways(digits_data_dir, ops.cpu_schedule)
+    which is smaller depends on the model and size), and its new state and metrics are
+    bitwise the same."""
+    results = _rspc_step_both_ways(digits_data_dir, "cpu_schedule", "memory")
     temp = {c: results[c][0].memory_analysis().temp_size_in_bytes for c in results}
     assert temp["auto"] != temp["xla"], (temp["auto"], temp["xla"])
     leaves_auto, leaves_xla = (jax.tree.leaves(results[c][1]) for c in ("auto", "xla"))
@@ -369,7 +369,7 @@ def test_on_cpu_the_train_step_runs_onednn_s_products_which_agree_to_float32_rou
     jaxlib's, tests/conftest.py) reach the compile of the RSPC step, each product alone (its
     fused form crashes XLA:CPU, docs/speed.md), and the step's new state and metrics agree
     with jaxlib's default products to float32 rounding."""
-    results = _rspc_step_both_ways(digits_data_dir, ops.cpu_products)
+    results = _rspc_step_both_ways(digits_data_dir, "cpu_products", "onednn")
     fusions = {
         c: collections.Counter(re.findall(r'"kind":"(__\w+_fusion)"', results[c][0].as_text()))
         for c in results

@@ -1,6 +1,6 @@
 """What a dataset is: its spec (classes, splits, resolution, normalisation) and, for one
 that is not prepared, how to prepare it. Plain Python, no TensorFlow: the model, the
-train step and the step-only tools read specs without loading TF (0.6 GB of host memory);
+train step and the step-only tools read specs without loading TF and its host memory;
 `rspc_jax.data.records` reads the datasets themselves. Nothing here downloads data at run
 time."""
 

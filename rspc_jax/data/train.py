@@ -217,8 +217,8 @@ def train_iterator(
     ds = ds.skip(offset).map(prepare, num_parallel_calls=AUTOTUNE)
     ds = ds.batch(local_batch_size, drop_remainder=True).prefetch(AUTOTUNE)
     # tf.data's autotuning off: with it, tearing down the iterator when a run stopped could
-    # wait: SIGTERM -> exit took 7-18 s in 6 of 20 demo runs, about 2 s in all 16 without it
-    # (docs/faults.md, 'Exit times'); the digits pipeline reads at the same speed either way.
+    # wait for seconds before the process exited (docs/faults.md, 'Exit times'); the digits
+    # pipeline reads at the same speed either way.
     options = tf.data.Options()
     options.autotune.enabled = False
     return iter(tfds.as_numpy(deterministic(ds).with_options(options)))

@@ -17,9 +17,8 @@ _SQRT_HALF = 0.7071067811865476
 def gelu(x: jax.Array) -> jax.Array:
     """Exact GELU, 0.5 x (1 + erf(x / sqrt 2)): PyTorch's nn.GELU (flax's default is the tanh
     approximation). Written with erf as PyTorch does: `nn.gelu(approximate=False)` uses
-    erfc, which XLA:CPU evaluates ~4.5x slower (forward + backward, 1576 x 1536, 2 cores),
-    for the same values to 1e-6. The backward pass keeps the input only, as PyTorch's does
-    (`_gelu_bwd`)."""
+    erfc, which XLA:CPU evaluates several times slower, for the same values to 1e-6. The
+    backward pass keeps the input only, as PyTorch's does (`_gelu_bwd`)."""
     return 0.5 * x * (1.0 + jax.lax.erf(x * jnp.asarray(_SQRT_HALF, x.dtype)))
 
 
@@ -29,11 +28,10 @@ def _gelu_fwd(x):
 
 def _gelu_bwd(x, grad):
     """Recomputes the normal CDF from the input. Autodiff of `gelu` kept the forward's erf:
-    one more array of the MLP's hidden width per layer (DeiT-S train step at batch 8: 12 x
-    9.2 MB; docs/speed.md, "CPU: the softmax's derivative and GELU's erf (2026-12-01)").
-    The CDF is written with erf's symmetry, 1 - erf(-x / sqrt 2), so that XLA does not
-    merge it with the forward's erf and keep that after all (as it did with x / sqrt 2,
-    which it turns into the forward's product)."""
+    one more array of the MLP's hidden width per layer in the train step's memory. The CDF
+    is written with erf's symmetry, 1 - erf(-x / sqrt 2), so that XLA does not merge it
+    with the forward's erf and keep that after all (as it did with x / sqrt 2, which it
+    turns into the forward's product)."""
     cdf = 0.5 * (1.0 - jax.lax.erf(x * jnp.asarray(-_SQRT_HALF, x.dtype)))
     density = jnp.exp(-0.5 * x * x) * jnp.asarray((2 * math.pi) ** -0.5, x.dtype)
     return (grad * (cdf + x * density),)
@@ -46,9 +44,8 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """`jax.nn.softmax` with JAX's newer derivative (`jax.softmax_custom_jvp`, not yet its
     default), which reads the output only. The default differentiates exp(x - max) / sum,
     so every attention layer kept both its exponentials and its map for the backward pass:
-    one map more per layer in the train step (DeiT-S at batch 8, XLA's estimate 1125 against
-    1039 MiB; docs/speed.md, "CPU: the softmax's derivative and GELU's erf (2026-12-01)").
-    The same values to float32 rounding."""
+    one attention map more per layer in the train step's memory. The same values to float32
+    rounding."""
     with jax.softmax_custom_jvp(True):
         return jax.nn.softmax(x, axis=axis)
 
@@ -142,8 +139,8 @@ def standardize(x: jax.Array, epsilon: float) -> jax.Array:
     """(x - mean) / sqrt(var + epsilon) over the last axis with the two-pass variance
     (PyTorch's numerics), in float32. Its backward is written out (the textbook LayerNorm
     gradient): XLA:CPU turned the autodiff of the two-pass form into one loop fusion of
-    ~1,000 instructions that recomputed every later block's normalisation (53% of the
-    XCiT-S12 step; 5.1 -> 2.1 s at batch 8 on 2 cores without it)."""
+    ~1,000 instructions that recomputed every later block's normalisation, the larger part
+    of an XCiT step on CPU."""
     return _standardize_fwd(x, epsilon)[0]
 
 
@@ -245,10 +242,9 @@ class Attention(nn.Module):
         init = linear_init(dim, self.torch_init)
         qkv = dense(3 * dim, use_bias=self.qkv_bias, **init, name="qkv")(x)
         # Heads-major (3, B, heads, N, head_dim) in one copy, so that both attention products
-        # are batched over leading axes (no transposes around them; -20% forward+backward
-        # of a DeiT-S attention layer on 2 CPU cores against slicing qkv per head).
+        # are batched over leading axes, with no transposes around them.
         # Unstacked rather than indexed: the gradient is then one concatenation, where
-        # indexing's is three zero-padded copies summed (-8% forward+backward, same layer).
+        # indexing's is three zero-padded copies summed.
         qkv = qkv.reshape(batch, tokens, 3, self.num_heads, head_dim).transpose(2, 0, 3, 1, 4)
         q, k, v = jnp.unstack(qkv)
         if self._fused(train, key_keep):

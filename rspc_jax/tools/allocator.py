@@ -2,8 +2,8 @@
 
 XLA:CPU takes each call's temporaries (hundreds of MB for a ViT train step) from malloc and
 frees them after the call. glibc serves blocks that large with a fresh mmap and unmaps them on
-free, so the kernel zeroes every page again on every step: 0.4-0.8 s of system time per step
-on 2 cores (docs/speed.md), and no glibc setting keeps them without slowing every thread.
+free, so the kernel zeroes every page again on every step, a large share of a CPU step's time
+(docs/speed.md, "CPU: tcmalloc"), and no glibc setting keeps them without slowing every thread.
 tcmalloc keeps freed pages for the next call. A process picks its allocator when it starts,
 so a tool re-executes itself once with tcmalloc preloaded, before JAX is imported.
 
@@ -81,7 +81,7 @@ def describe() -> str:
         return (
             "the C library's (tcmalloc is installed: the tools preload it unless --malloc=system)"
         )
-    return "the C library's (no tcmalloc found; on CPU it makes steps faster: docs/speed.md)"
+    return "the C library's (no tcmalloc found; installing it makes CPU steps faster)"
 
 
 def reexecute_with_tcmalloc() -> None:

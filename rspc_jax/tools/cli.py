@@ -26,7 +26,8 @@ _MALLOC = flags.DEFINE_enum(
     "tcmalloc",
     ["tcmalloc", "system"],
     "Memory allocator: 'tcmalloc' restarts the tool once with the system's tcmalloc preloaded "
-    "where it is installed (faster steps on CPU, docs/speed.md); 'system' keeps the C library's.",
+    "where it is installed (faster steps on CPU: docs/speed.md, 'CPU: tcmalloc'); 'system' "
+    "keeps the C library's.",
 )
 
 

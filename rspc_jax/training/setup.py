@@ -50,7 +50,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 
 def _exists(path: str) -> bool:
     """tf.io.gfile also sees gs:// paths; TF loads here, not with the module, so that
-    timing or planning a step never holds TF's 0.6 GB of host memory."""
+    timing or planning a step never holds TF's host memory."""
     import tensorflow as tf
 
     return tf.io.gfile.exists(path)
@@ -164,8 +164,7 @@ class Parts(NamedTuple):
 def _dropping_its_program(init: Callable) -> Callable:
     """`init` (jitted), which drops its compiled program and traces after each call: a run
     creates its state once, and on CPU the program (every parameter's initialiser) would
-    stay in host memory beside the train step's, 160 MiB for RVT-Ti* (docs/speed.md, 'CPU:
-    the memory-optimized schedule')."""
+    otherwise stay in host memory beside the train step's for the whole run."""
 
     @functools.wraps(init)
     def run(rng):
