@@ -23,36 +23,23 @@ configs/xcit_s12_adv.py with --config.model_name=cait_s12_224. `:smoke` is a 2-b
 on the digits.
 """
 
-import importlib.util
-import os
-
-from rspc_jax.training import defaults as config_defaults
-
-
-def _xcit_adv():
-    path = os.path.join(os.path.dirname(__file__), "xcit_s12_adv.py")
-    spec = importlib.util.spec_from_file_location("configs_xcit_s12_adv", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "cait_s12_224"
-    config_defaults.apply_imagenet_recipe(c, batch_size=512, per_device_batch=64)
+    recipes.apply_imagenet_recipe(c, batch_size=512, per_device_batch=64)
     c.num_epochs = 110
     c.optimizer.update(dict(lr=5e-4, lr_base_batch=512, warmup_lr=5e-6, min_lr=5e-5))
     c.ema_decay = 0.0
-    if arg == "plain":
-        c.rspc.enabled = False
-    else:
-        _xcit_adv().apply_adversarial_recipe(c)
+    if arg != "plain":
+        recipes.apply_adversarial_recipe(c)
         c.adversarial.eps_warmup_epochs = 0
-    return config_defaults.select_variant(
+    return recipes.select_variant(
         c,
-        None if arg == "plain" else arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        arg,
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "cait_s12_224",
             dict(embed_dim=16, depth=2, num_heads=2, depth_token_only=1, patch_size=8),

@@ -3,7 +3,7 @@
     python -m rspc_jax.main --config=configs/cifar10_rvt_s.py --workdir=gs://BUCKET/rspc/cifar10_rvt_s
 
 Needs `cifar10` prepared in TFDS_DATA_DIR (README, "Datasets"). `rvt_small_plus` from scratch
-with the official EXP_CIFAR recipe, `rspc_jax.training.defaults.apply_cifar224_recipe`
+with the official EXP_CIFAR recipe, `rspc_jax.training.recipes.apply_cifar224_recipe`
 (docs/method.md, 'Recipes: CIFAR': batch 128, 200 epochs, inception crop to 224,
 RandAugment, erasing, repeated and patch-wise augmentation, Resize(256) + CenterCrop(224)
 evaluation); the paper's extra
@@ -12,17 +12,17 @@ CIFAR-10-C accuracy (RVT-S 97.21 / 92.35 = `:plain`).
 Not reproduced by us. `:smoke`: a tiny RVT* on the digits for a few steps on CPU.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "rvt_small_plus"
-    config_defaults.apply_cifar224_recipe(c, "cifar10")
-    return config_defaults.select_variant(
+    recipes.apply_cifar224_recipe(c, "cifar10")
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "rvt_small_plus",
             dict(base_dims=(8,), depth=(2,), heads=(2,), masked_block=1, drop_path_rate=0.1),

@@ -13,11 +13,11 @@ patch-wise augmentation and DeepAugment data; this config trains a ViT-S at the 
 claimed. Variants: `:plain` (no RSPC), `:smoke` (a few steps of a tiny model).
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "vit_small"
     c.model.patch_size = 4
     c.model.drop_path_rate = 0.1
@@ -35,16 +35,14 @@ def get_config(arg=None):
     c.ema_decay = 0.99996
     c.log_every_steps = 100
     c.checkpoint_every_steps = 2000
+    return recipes.select_variant(c, arg, smoke=_smoke)
 
-    if arg == "plain":
-        c.rspc.enabled = False
-    elif arg == "smoke":
-        c.model_name = "vit_demo"
-        c.model = {"patch_size": 4, "depth": 1, "width": 32, "num_heads": 2}
-        c.batch_size = 16
-        c.eval_batch_size = 16
-        c.total_steps = 4
-        c.log_every_steps = 2
-    elif arg not in (None, ""):
-        raise ValueError(f"unknown variant {arg!r}; use 'plain' or 'smoke'")
-    return c
+
+def _smoke(c):
+    """A few steps of a 1-block ViT at batch 16."""
+    c.model_name = "vit_demo"
+    c.model = {"patch_size": 4, "depth": 1, "width": 32, "num_heads": 2}
+    c.batch_size = 16
+    c.eval_batch_size = 16
+    c.total_steps = 4
+    c.log_every_steps = 2

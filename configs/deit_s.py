@@ -12,19 +12,19 @@ top-1 (DeiT paper); the RSPC paper reports RSPC on DeiT-Ti as +0.4 top-1 and -1.
 ImageNet-C mCE. `:plain` is the baseline; `:smoke` a 2-block DeiT on the digits.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "deit_small_patch16_224"
-    config_defaults.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
+    recipes.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
     # 0.99996 at the official global batch 2048, rescaled to keep the half-life in epochs.
     c.ema_decay = 0.99996 ** (1024 / 2048)
-    return config_defaults.select_variant(
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c, "deit_small_patch16_224", dict(width=32, depth=2, num_heads=2, patch_size=8)
         ),
     )

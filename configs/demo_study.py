@@ -1,4 +1,5 @@
-"""The small-scale study on the embedded digits (docs/study/results.md):
+"""The small-scale study on the embedded digits (docs/study/results.md), on the demo's settings
+(`rspc_jax.training.recipes.apply_digits_demo`, as configs/demo.py):
 
     python -m rspc_jax.study --config=configs/demo_study.py --workdir=runs/study
 
@@ -28,27 +29,24 @@ reports the ratio each value gives. `:smoke` runs a few steps of two settings an
 RSPC) alone: `python -m rspc_jax.main --config=configs/demo_study.py --workdir=runs/one`.
 """
 
-import importlib.util
-import os
-
 import ml_collections
+
+from rspc_jax.training import defaults, recipes
 
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
 
 
 def get_config(arg=None):
-    spec = importlib.util.spec_from_file_location(
-        "demo_config", os.path.join(os.path.dirname(__file__), "demo.py")
-    )
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
     if arg not in (None, "", "smoke", "per_image", "per_image_validation"):
         raise ValueError(
             f"unknown variant {arg!r} of configs/demo_study.py; use 'smoke', 'per_image' or "
             "'per_image_validation'"
         )
-    c = demo.get_config("smoke" if arg == "smoke" else None)
+    c = defaults.get_default_config()
+    recipes.apply_digits_demo(c)
+    if arg == "smoke":
+        recipes.apply_digits_demo_smoke(c)
     c.num_epochs = 15
     # Each run is evaluated and saved once, after its last step.
     c.eval_every_steps = c.checkpoint_every_steps = 1_000_000

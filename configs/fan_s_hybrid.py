@@ -15,19 +15,17 @@ ImageNet-A (FAN-S-Hybrid 83.5 / 48.5 / 33.9 = `:plain`).
 Not reproduced by us. `:smoke`: a tiny FAN-Hybrid on the digits for a few steps on CPU.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "fan_small_12_p4_hybrid"
-    config_defaults.apply_fan_recipe(
-        c, batch_size=4096, lr=4e-3, warmup_epochs=5, drop_path_rate=0.25
-    )
-    return config_defaults.select_variant(
+    recipes.apply_fan_recipe(c, batch_size=4096, lr=4e-3, warmup_epochs=5, drop_path_rate=0.25)
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "fan_small_12_p4_hybrid",
             dict(

@@ -15,19 +15,17 @@ ImageNet-A (FAN-T-Hybrid 80.1 / 58.3 / 21.9 = `:plain`).
 Not reproduced by us. `:smoke`: a tiny FAN-Hybrid on the digits for a few steps on CPU.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "fan_tiny_8_p4_hybrid"
-    config_defaults.apply_fan_recipe(
-        c, batch_size=2048, lr=2e-3, warmup_epochs=5, drop_path_rate=0.1
-    )
-    return config_defaults.select_variant(
+    recipes.apply_fan_recipe(c, batch_size=2048, lr=2e-3, warmup_epochs=5, drop_path_rate=0.1)
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "fan_tiny_8_p4_hybrid",
             dict(

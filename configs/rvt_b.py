@@ -15,19 +15,19 @@ Paper (Table 2): RSPC-RVT-B* 82.8% top-1, 45.7 ImageNet-C mCE, 32.1% ImageNet-A
 RVT* (PAAS needs 224 px) on the digits for a few steps on CPU.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "rvt_base_plus"
     c.model = dict(masked_block=5)
-    config_defaults.apply_imagenet_recipe(c, batch_size=2048, per_device_batch=64)
+    recipes.apply_imagenet_recipe(c, batch_size=2048, per_device_batch=64)
     c.patch_aug = "official"
-    return config_defaults.select_variant(
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "rvt_tiny_plus",
             dict(base_dims=(8, 8), depth=(2, 1), heads=(2, 4), masked_block=1, drop_path_rate=0.1),

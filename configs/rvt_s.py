@@ -13,18 +13,18 @@ Paper (Table 2): RSPC-RVT-S 82.2% top-1, 48.4 ImageNet-C mCE, 27.9% ImageNet-A
 on the digits at 224 px for a few steps on CPU.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "rvt_small_plus"
-    config_defaults.apply_imagenet_recipe(c, batch_size=2048, per_device_batch=128)
+    recipes.apply_imagenet_recipe(c, batch_size=2048, per_device_batch=128)
     c.patch_aug = "official"
-    return config_defaults.select_variant(
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "rvt_small_plus",
             dict(base_dims=(8,), depth=(2,), heads=(2,), masked_block=1, drop_path_rate=0.1),

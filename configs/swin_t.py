@@ -18,13 +18,13 @@ ImageNet-C mCE 62.0 -> 61.0 with RSPC. `:plain` is the baseline; `:smoke` a two-
 on the digits.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "swin_tiny_patch4_window7_224"
-    config_defaults.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
+    recipes.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
     c.num_epochs = 300
     c.optimizer.update(
         dict(
@@ -40,10 +40,10 @@ def get_config(arg=None):
     c.model.drop_path_rate = 0.2
     c.repeated_augment = 1
     c.ema_decay = 0.0
-    return config_defaults.select_variant(
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "swin_tiny_patch4_window7_224",
             dict(embed_dim=16, depths=(2, 1), num_heads=(1, 2), window_size=4),

@@ -12,19 +12,19 @@ class-attention blocks. Reference point (not measured by us): XCiT-S12/16 82.0% 
 on the digits.
 """
 
-from rspc_jax.training import defaults as config_defaults
+from rspc_jax.training import defaults, recipes
 
 
 def get_config(arg=None):
-    c = config_defaults.get_default_config()
+    c = defaults.get_default_config()
     c.model_name = "xcit_small_12_p16_224"
-    config_defaults.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
+    recipes.apply_imagenet_recipe(c, batch_size=1024, per_device_batch=128)
     c.model.drop_path_rate = 0.05
     c.ema_decay = 0.99996 ** (1024 / 2048)
-    return config_defaults.select_variant(
+    return recipes.select_variant(
         c,
         arg,
-        smoke=lambda c: config_defaults.apply_smoke(
+        smoke=lambda c: recipes.apply_smoke(
             c,
             "xcit_small_12_p16_224",
             dict(embed_dim=16, depth=2, num_heads=2, cls_attn_layers=1, drop_path_rate=0.05),

@@ -361,7 +361,7 @@ import jax, numpy as np
 from rspc_jax import parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.training import ablations, setup
-spec = importlib.util.spec_from_file_location("ablations_config", "configs/ablations.py")
+spec = importlib.util.spec_from_file_location("demo_config", "configs/demo.py")
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 rng = np.random.default_rng(0)
@@ -369,7 +369,7 @@ batch = {"image": rng.standard_normal((8, 32, 32, 3)).astype(np.float32),
          "label": rng.integers(0, 10, 8).astype(np.int32)}
 mesh = parallel.create_mesh()
 for name in ablations.ABLATIONS:
-    config = module.get_config(f"demo/{name}")
+    config = module.get_config(name)
     config.update(dict(data_dir=sys.argv[1], batch_size=8))
     config.model.update(dict(depth=1, width=16, num_heads=1))
     setup.validate_config(config)
@@ -384,7 +384,7 @@ for name in ablations.ABLATIONS:
 
 
 def test_every_ablation_config_takes_finite_steps(digits_data_dir):
-    """configs/ablations.py:demo/<name> at a 1-block width-16 ViT: two train steps each."""
+    """configs/demo.py:<name> at a 1-block width-16 ViT: two train steps each."""
     result = run_python(["-c", _ABLATION_SCRIPT, digits_data_dir], timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split() for line in result.stdout.splitlines() if line.strip()]

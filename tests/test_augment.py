@@ -424,7 +424,7 @@ def test_random_erasing_probability():
 
 def test_config_defaults_recipe_and_validation():
     from rspc_jax.training import defaults as config_defaults
-    from rspc_jax.training import setup
+    from rspc_jax.training import recipes, setup
 
     config = config_defaults.get_default_config()
     assert (
@@ -433,7 +433,7 @@ def test_config_defaults_recipe_and_validation():
         config.repeated_augment,
         config.eval_preprocess,
     ) == ("", 0.0, 1, "")
-    config_defaults.apply_imagenet_recipe(config, batch_size=1024, per_device_batch=128)
+    recipes.apply_imagenet_recipe(config, batch_size=1024, per_device_batch=128)
     assert (config.rand_augment, config.random_erase_prob, config.repeated_augment) == (
         "rand-m9-mstd0.5-inc1",
         0.25,

@@ -10,26 +10,25 @@ import pytest
 import tensorflow_datasets as tfds
 
 from rspc_jax.data import specs as datasets
+from rspc_jax.training import ablations, setup
 from rspc_jax.training import loop as train
-from rspc_jax.training import setup
 from tests.conftest import REPO, load_config
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 VARIANTS = {path.name: [None, "plain", "smoke"] for path in CONFIGS}
 VARIANTS.update(
     {
-        "ablations.py": [
-            "demo/clean",
-            "rvt_b/random_patches",
-            "fan_b_hybrid/trades2",
-            "xcit_s12/zero_fill",
-            "deit_s/drop_tokens",
-        ],
         "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
         "cifar10_xcit_s12_adv.py": [None, "smoke"],
         "demo_study.py": [None, "smoke"],
     }
 )
+# An ablation is a variant of any config (configs/<base>.py:<name>); a few that build models.
+VARIANTS["demo.py"] += ["clean"]
+VARIANTS["rvt_b.py"] += ["random_patches"]
+VARIANTS["fan_b_hybrid.py"] += ["trades2"]
+VARIANTS["xcit_s12.py"] += ["zero_fill"]
+VARIANTS["deit_s.py"] += ["drop_tokens"]
 
 
 def test_the_issue_configs_exist():
@@ -68,6 +67,29 @@ def test_config_validates_and_builds_its_model(name, arg):
 def test_unknown_variant_is_rejected():
     with pytest.raises(ValueError, match="unknown variant"):
         load_config(REPO / "configs" / "demo.py", "tiny")
+    # 'plain' is RSPC off: an adversarial config has no such variant.
+    with pytest.raises(ValueError, match="unknown variant 'plain'"):
+        load_config(REPO / "configs" / "xcit_s12_adv.py", "plain")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_configs_import_the_package_never_another_config(path):
+    """Shared pieces of configs live in rspc_jax (training/recipes.py): a config that loaded
+    another by file path would hide what it depends on."""
+    source = path.read_text()
+    assert "importlib" not in source
+    assert "spec_from_file_location" not in source
+
+
+@pytest.mark.parametrize("name", sorted(ablations.ABLATIONS))
+def test_an_ablation_is_a_variant_of_every_training_config(name):
+    """`configs/<base>.py:<name>` is the config as written with the ablation's switches."""
+    for path in CONFIGS:
+        if path.name == "demo_study.py":  # a study: its methods name the ablations
+            continue
+        _, written = load_config(path)
+        _, ablated = load_config(path, name)
+        assert ablated == ablations.apply(written, name), path.name
 
 
 def test_cifar_smoke_trains_with_mixup_and_ema_on_mock_data(tmp_path):

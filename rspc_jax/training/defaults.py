@@ -1,4 +1,5 @@
-"""Defaults shared by every config in `configs/` (which import and override them)."""
+"""The default config: every config in `configs/` starts from it and overrides it (the recipes
+they share are in `rspc_jax/training/recipes.py`)."""
 
 import ml_collections
 
@@ -28,7 +29,7 @@ def get_default_config() -> ml_collections.ConfigDict:
     c.remat = False
     c.scan_blocks = False
     # 'fsdp' shards the classifier's params, optimizer state and EMA over the devices
-    # (ZeRO-3; docs/speed.md, "Memory and speed options"); 'replicated' keeps a copy on each.
+    # (ZeRO-3); 'replicated' keeps a copy on each.
     c.sharding = "replicated"
 
     # Data (tfds builder names; TFDS_DATA_DIR or `data_dir` says where prepared data lives).
@@ -201,118 +202,9 @@ def get_default_config() -> ml_collections.ConfigDict:
     c.transfer_guard = "allow"
     # Train steps per compiled call between log, eval and checkpoint steps (one lax.scan
     # over that many batches; those steps themselves run alone). One dispatch per call, and
-    # on CPU XLA maps the step's temporaries afresh once per call instead of once per step:
-    # 4 makes steps 14-21% faster on 2 CPU cores with glibc's allocator, none with tcmalloc
-    # (tools/allocator.py; docs/speed.md). A stop request (SIGTERM, should_stop) is seen at
-    # the end of a call. 1 = one step per call.
+    # on CPU XLA maps the step's temporaries afresh once per call instead of once per step
+    # (which matters with glibc's allocator, not with tcmalloc). A stop request (SIGTERM,
+    # should_stop) is seen at the end of a call. 1 = one step per call.
     c.steps_per_call = 1
     c.distributed = "auto"  # jax.distributed.initialize: 'auto' | 'yes' | 'no'
-    return c
-
-
-def apply_imagenet_recipe(
-    c: ml_collections.ConfigDict, *, batch_size: int, per_device_batch: int
-) -> None:
-    """The DeiT/RVT ImageNet-1k recipe as RSPC_RVT runs it (docs/method.md, "Recipes: RVT"): 224 px
-    inception crops (bicubic) + flip, RandAugment rand-m9-mstd0.5-inc1, random erasing 0.25,
-    repeated augmentation x3, mixup 0.8 / cutmix 1.0, label smoothing 0.1, lr 5e-4 x
-    batch/512, 5 warm-up epochs, cosine over 300 epochs then 10 cool-down epochs at min_lr
-    (RSPC_RVT keeps timm's returned 310 epochs), drop path 0.1, EMA 0.99996.
-
-    `per_device_batch` is the official per-GPU batch: the GradScaler's 2**16 scaled each
-    GPU's mean loss, so C's gradient scale is 2**16 * batch_size / per_device_batch here.
-    """
-    c.dataset = "imagenet2012"
-    c.image_size = 224
-    c.augment = "imagenet"
-    c.rand_augment = "rand-m9-mstd0.5-inc1"
-    c.random_erase_prob = 0.25
-    c.repeated_augment = 3
-    c.batch_size = batch_size
-    c.eval_batch_size = 1024
-    c.num_epochs = 310
-    c.optimizer.warmup_epochs = 5
-    c.optimizer.cooldown_epochs = 10
-    c.model.drop_path_rate = 0.1
-    c.label_smoothing = 0.1
-    c.mixup.mixup_alpha = 0.8
-    c.mixup.cutmix_alpha = 1.0
-    c.ema_decay = 0.99996
-    c.rspc.corruption_grad_scale = 65536.0 * batch_size / per_device_batch
-    c.log_every_steps = 100
-    c.checkpoint_every_steps = 2500
-
-
-def apply_fan_recipe(
-    c: ml_collections.ConfigDict,
-    *,
-    batch_size: int,
-    lr: float,
-    warmup_epochs: float,
-    drop_path_rate: float,
-) -> None:
-    """RSPC_FAN/train_script.sh (docs/method.md, "Recipes: FAN") on top of the ImageNet recipe: an
-    absolute lr (FAN's main does not scale it), min lr 1e-6, random erasing 0.3, no
-    repeated augmentation, EMA 0.99992, seed 42, per-GPU batch 128 (FAN-T) or 64."""
-    apply_imagenet_recipe(
-        c, batch_size=batch_size, per_device_batch=128 if batch_size <= 2048 else 64
-    )
-    c.optimizer.lr = lr
-    c.optimizer.lr_base_batch = batch_size
-    c.optimizer.warmup_epochs = warmup_epochs
-    c.optimizer.min_lr = 1e-6
-    c.random_erase_prob = 0.3
-    c.repeated_augment = 1
-    c.ema_decay = 0.99992
-    c.seed = 42
-    c.model.drop_path_rate = drop_path_rate
-
-
-def apply_cifar224_recipe(c: ml_collections.ConfigDict, dataset: str) -> None:
-    """EXP_CIFAR (docs/method.md, "Recipes: CIFAR"): CIFAR up-sampled to 224 px by the inception crop,
-    evaluated with Resize(256) + CenterCrop(224), batch 128 (2 GPUs x 64), lr 5e-4 x
-    128/512, 200 epochs without warm-up or cool-down, patch-wise augmentation on, and
-    otherwise the ImageNet recipe. DeepAugment data is not included."""
-    apply_imagenet_recipe(c, batch_size=128, per_device_batch=64)
-    c.dataset = dataset
-    c.eval_preprocess = "center_crop"
-    c.eval_batch_size = 1000
-    c.num_epochs = 200
-    c.optimizer.warmup_epochs = 0
-    c.optimizer.cooldown_epochs = 0
-    c.patch_aug = "official"
-    c.log_every_steps = 100
-    c.checkpoint_every_steps = 2000
-
-
-def apply_smoke(
-    c: ml_collections.ConfigDict, model_name: str, model: dict, image_size: int = 32
-) -> None:
-    """A tiny member of the family for a few steps on the embedded digits (CPU, minutes);
-    the augmentations of the recipe stay on, mixup and repeated augmentation go off."""
-    c.model_name = model_name
-    c.model = ml_collections.ConfigDict(model)
-    c.dataset = "sklearn_digits"
-    c.augment = "digits"
-    c.eval_preprocess = ""
-    c.image_size = image_size
-    c.batch_size = 8
-    c.eval_batch_size = 304
-    c.total_steps = 3
-    c.log_every_steps = 1
-    c.repeated_augment = 1
-    c.mixup.mixup_alpha = 0.0
-    c.mixup.cutmix_alpha = 0.0
-
-
-def select_variant(c: ml_collections.ConfigDict, arg, smoke=None) -> ml_collections.ConfigDict:
-    """'' = the config as written; 'plain' = the same without RSPC (the paper's baseline
-    row); 'smoke' = `smoke(c)` where the config offers one."""
-    if arg == "plain":
-        c.rspc.enabled = False
-    elif arg == "smoke" and smoke is not None:
-        smoke(c)
-    elif arg not in (None, ""):
-        choices = "'plain' or 'smoke'" if smoke is not None else "'plain'"
-        raise ValueError(f"unknown variant {arg!r}; use {choices}")
     return c
