@@ -60,7 +60,7 @@ class Holder:
     token: str  # tells this run's lock from a later one of the same pid
 
     def describe(self, now: float) -> str:
-        """'pid 12 on host h, running since 2026-12-03 22:40:01 UTC (last heartbeat 5 s ago)'."""
+        """'pid 12 on host h, running since YYYY-MM-DD HH:MM:SS UTC (last heartbeat 5 s ago)'."""
         started = datetime.datetime.fromtimestamp(self.started, datetime.UTC)
         return (
             f"pid {self.pid} on host {self.host}, running since "
