@@ -22,9 +22,9 @@ _ANALYSIS = flags.DEFINE_string(
 
 def main(argv):
     config = cli.start(argv, _FLAGS.config.value)
-    from rspc_jax.evaluation.analysis import run_analyses
+    from rspc_jax.evaluation import run_suites
 
-    run_analyses.run_analyses(config, analyses=_ANALYSIS.value, **_FLAGS.source())
+    run_suites.run_analyses(config, analyses=_ANALYSIS.value, **_FLAGS.source())
 
 
 if __name__ == "__main__":

@@ -239,9 +239,18 @@ def alignment_loss(
     return jnp.mean(jnp.stack(per_block))
 
 
+def per_example_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """(B,) CE of logits computed in float32 (or wider) against integer labels (B,) or soft
+    targets (B, K) (one-hot, smoothed or mixed); the package's one cross-entropy."""
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if targets.ndim < logits.ndim:
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return optax.softmax_cross_entropy(logits, targets)
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean CE against soft targets (B, K) (one-hot, smoothed or mixed)."""
-    return jnp.mean(optax.softmax_cross_entropy(logits.astype(jnp.float32), targets))
+    """Mean CE over the batch (`per_example_cross_entropy`)."""
+    return jnp.mean(per_example_cross_entropy(logits, targets))
 
 
 def uniform_noise(rng: jax.Array, example_ids: jax.Array, image_shape) -> jax.Array:

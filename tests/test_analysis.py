@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from rspc_jax import models
+from rspc_jax.evaluation import run_suites as driver
 from rspc_jax.evaluation.analysis import attention_masks, similarity
-from rspc_jax.evaluation.analysis import run_analyses as analysis_run
 from rspc_jax.models import interventions
 from tests.conftest import REPO, run_python, smoke_config
 
@@ -233,9 +233,7 @@ QUICK = {"analysis.num_examples": 64, "analysis.lesion_samples": 3, "analysis.sp
 
 def _analyze(demo_run, data_dir, out, analyses, **overrides):
     config = smoke_config(data_dir, **{**QUICK, **overrides})
-    return analysis_run.run_analyses(
-        config, analyses=analyses, workdir=str(demo_run[0]), out=str(out)
-    )
+    return driver.run_analyses(config, analyses=analyses, workdir=str(demo_run[0]), out=str(out))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rspc_jax import rspc
 from rspc_jax.evaluation import attacks, autoattack, fab, square
 
 D = 8 * 8 * 3
@@ -177,7 +178,7 @@ def test_apgd_follows_the_reference_loop(loss, rho):
     same branches: identical robust flags and adversarial examples. The rho values make
     both halving rules fire on this model."""
     eps, n_iter, rng = 4 / 255, 100, jax.random.PRNGKey(5)
-    loss_fn = {"ce": attacks.cross_entropy, "dlr": attacks.dlr_loss}[loss]
+    loss_fn = {"ce": rspc.per_example_cross_entropy, "dlr": attacks.dlr_loss}[loss]
     with jax.enable_x64(True):
         model = _mlp(_mlp_params(2, np.float64))
         x = _images(6, batch=32).astype(np.float64)

@@ -10,10 +10,11 @@ import numpy as np
 from PIL import Image
 import pytest
 
+from rspc_jax import ConfigError
 from rspc_jax.data import specs as datasets
-from rspc_jax.evaluation import protocols
+from rspc_jax.evaluation import protocols, registry
 from rspc_jax.evaluation import run_suites as evaluate_lib
-from rspc_jax.evaluation import shift_suites as benchmarks
+from rspc_jax.evaluation.suites import cifar10_c, imagenet_a, imagenet_c
 from rspc_jax.training import setup
 from tests.conftest import run_python, smoke_config
 
@@ -200,7 +201,7 @@ def test_imagenet_c_folders_centre_crop_and_label_by_sorted_wnid(imagenet_model,
     ctx.settings.update(
         dict(imagenet_c_dir=str(tmp_path), corruptions="gaussian_noise", severities=(3,))
     )
-    result = benchmarks.imagenet_c(ctx)
+    result = imagenet_c.run(ctx)
     expected = float((predicted == label_of).mean())
     assert expected > 100 / 1100
     assert result["accuracy"] == {"gaussian_noise/3": pytest.approx(expected)}
@@ -220,7 +221,7 @@ def test_imagenet_a_folders_restrict_the_logits_to_200_classes(imagenet_model, t
     label_of = np.concatenate([np.arange(200), [position[int(c)] for c in restricted[200:]]])
     _write_folders(tmp_path, list(protocols.IMAGENET_A_WNIDS), images, label_of)
     ctx.settings.update(dict(imagenet_a_dir=str(tmp_path)))
-    result = benchmarks.imagenet_a(ctx)
+    result = imagenet_a.run(ctx)
     expected = float((restricted == protocols.IMAGENET_A_INDICES[label_of]).mean())
     assert expected >= 100 / 300
     assert result["top1"] == pytest.approx(expected) and result["num_examples"] == 300
@@ -246,7 +247,7 @@ def test_cifar10_c_npy_severity_blocks(demo_run, digits_data_dir, tmp_path):
         np.asarray(model.apply(variables, jnp.asarray(x, jnp.float32), train=False)).argmax(-1)
         == labels
     )
-    result = benchmarks.cifar10_c(evaluate_lib.build_context(config, model, variables))
+    result = cifar10_c.run(evaluate_lib.build_context(config, model, variables))
     for severity in range(1, 6):
         block = correct[(severity - 1) * 12 : severity * 12]
         assert result["accuracy"][f"fog/{severity}"] == pytest.approx(block.mean())
@@ -263,3 +264,21 @@ def test_a_suite_without_data_or_a_matching_model_is_skipped_with_the_fix(
     assert "tfds build cifar10_corrupted" in results["cifar10_c"]["skipped"]
     assert "100-class model" in results["cifar100_c"]["skipped"]
     assert "skipped" in (tmp_path / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------------------
+# The registry of plug-ins
+
+
+def test_every_registered_plugin_has_its_run_and_rows():
+    for kind, names in (("suite", registry.SUITES), ("analysis", registry.ANALYSES)):
+        for name in names:
+            plugin = registry.plugin(kind, name)
+            assert callable(plugin.run) and callable(plugin.rows), (kind, name)
+
+
+def test_an_unknown_suite_names_the_close_ones():
+    with pytest.raises(ConfigError, match="Did you mean patch_occlusion"):
+        registry.names("suite", "clean,patch_oclusion")
+    with pytest.raises(ConfigError, match="no analysis named"):
+        registry.names("analysis", ",")

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rspc_jax import rspc
+
 LogitsFn = Callable[[jax.Array], jax.Array]
 RandomisedLogitsFn = Callable[[jax.Array, jax.Array], jax.Array]  # (pixels, key) -> logits
 LogitsAndAttentionFn = Callable[[jax.Array], tuple]
@@ -26,11 +28,6 @@ APGD_MOMENTUM = 0.75  # hard-coded in APGD, distinct from the oscillation thresh
 
 
 # ----- losses ("Attacks: AutoAttack and the DLR losses") -------------------------------------------------------------
-
-
-def cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
-    """Per-example cross-entropy, (B,)."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
 
 
 def label_logit(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -123,6 +120,27 @@ def misclassified(logits: jax.Array, y: jax.Array) -> jax.Array:
 # ----- FGSM / PGD ("Attacks: FGSM and PGD") ---------------------------------------------------------
 
 
+def signed_ascent(
+    loss_fn: Callable[[jax.Array], jax.Array],
+    x: jax.Array,
+    start: jax.Array,
+    *,
+    eps,
+    step_size,
+    steps: int,
+) -> jax.Array:
+    """PGD's loop, shared with adversarial training: `steps` steps
+    x_adv <- proj(x_adv + step_size * sign(grad loss_fn(x_adv))) from `start`, each projected
+    to the eps-ball around x and to [0, 1]. loss_fn(x_adv) is the per-example loss summed
+    over the batch, so every example's gradient is its own. The last iterate is returned as
+    a constant (no gradient flows back through the attack)."""
+
+    def step(_, x_adv):
+        return project_linf(x_adv + step_size * jnp.sign(jax.grad(loss_fn)(x_adv)), x, eps)
+
+    return jax.lax.stop_gradient(jax.lax.fori_loop(0, steps, step, start))
+
+
 def pgd(
     logits_fn: LogitsFn,
     x: jax.Array,
@@ -138,15 +156,14 @@ def pgd(
     5 steps): optional uniform start in [-eps, eps] clipped to [0, 1], then sign-gradient
     steps, each projected to the eps-ball and [0, 1]. Returns the last iterate (no early
     stop, no best-iterate tracking, as RSPC). `rng` is only used for the random start."""
-    x_adv = x
+    start = x
     if random_start:
-        x_adv = jnp.clip(x + jax.random.uniform(rng, x.shape, x.dtype, -eps, eps), 0.0, 1.0)
+        start = jnp.clip(x + jax.random.uniform(rng, x.shape, x.dtype, -eps, eps), 0.0, 1.0)
 
-    def step(_, x_adv):
-        _, _, grad = _losses_logits_grad(logits_fn, cross_entropy, x_adv, y)
-        return project_linf(x_adv + step_size * jnp.sign(grad), x, eps)
+    def loss_fn(x_adv):
+        return rspc.per_example_cross_entropy(logits_fn(x_adv), y).sum()
 
-    return jax.lax.fori_loop(0, steps, step, x_adv)
+    return signed_ascent(loss_fn, x, start, eps=eps, step_size=step_size, steps=steps)
 
 
 def fgsm(logits_fn: LogitsFn, x: jax.Array, y: jax.Array, *, eps: float) -> jax.Array:
@@ -172,6 +189,15 @@ def _apgd_schedule(n_iter: int) -> list:
     return schedule
 
 
+def _apgd_checkpoint_table(n_iter: int) -> tuple[jax.Array, jax.Array]:
+    """Per iteration: whether it is a checkpoint, and the window length it checks."""
+    is_checkpoint = [False] * n_iter
+    window_at = [0] * n_iter
+    for iteration, window in _apgd_schedule(n_iter):
+        is_checkpoint[iteration], window_at[iteration] = True, window
+    return jnp.array(is_checkpoint), jnp.array(window_at)
+
+
 def apgd_checkpoints(n_iter: int) -> list:
     """The 0-based iterations after which APGD checks its step size ("Attacks: APGD step by step", step 1);
     for n_iter = 100: [21, 40, 56, 69, 79, 86, 92, 98]."""
@@ -181,7 +207,7 @@ def apgd_checkpoints(n_iter: int) -> list:
 def _apgd_loss_fn(loss: str, y_target: jax.Array | None):
     """The per-example loss(logits, y) that APGD maximises."""
     if loss == "ce":
-        return cross_entropy
+        return rspc.per_example_cross_entropy
     if loss == "dlr":
         return dlr_loss
     if loss == "dlr_targeted":
@@ -280,11 +306,7 @@ def apgd(
             key = jax.random.fold_in(eot_rng, iteration + 1)
             return _eot_losses_logits_grad(logits_fn, loss_fn, x_adv, y, key, eot_iter)
 
-    is_checkpoint = [False] * n_iter
-    window_at = [0] * n_iter
-    for iteration, window in _apgd_schedule(n_iter):
-        is_checkpoint[iteration], window_at[iteration] = True, window
-    is_checkpoint, window_at = jnp.array(is_checkpoint), jnp.array(window_at)
+    is_checkpoint, window_at = _apgd_checkpoint_table(n_iter)
 
     def step(i, s: _ApgdState) -> _ApgdState:
         momentum = jnp.where(i > 0, APGD_MOMENTUM, 1.0).astype(x.dtype)
@@ -345,12 +367,9 @@ def select_patches(attention: jax.Array, num_patches: int, num_patch_tokens: int
 
 def patch_mask(patches: jax.Array, image_shape: Sequence[int], patch_size: int) -> jax.Array:
     """(B, H, W, 1) bool mask, True on the given row-major patch indices (B, num_patches)."""
-    _, height, width, _ = image_shape
-    grid_h, grid_w = height // patch_size, width // patch_size
-    on = jax.nn.one_hot(patches, grid_h * grid_w, dtype=bool).any(axis=1)
-    on = on.reshape(-1, grid_h, grid_w)
-    on = jnp.repeat(jnp.repeat(on, patch_size, axis=1), patch_size, axis=2)
-    return on[..., None]
+    grid = (image_shape[1] // patch_size, image_shape[2] // patch_size)
+    on = jax.nn.one_hot(patches, grid[0] * grid[1], dtype=bool).any(axis=1)
+    return rspc.patch_mask_to_pixels(on, grid, patch_size)
 
 
 def _project_conflicting(g_att: jax.Array, g_ce: jax.Array) -> jax.Array:
@@ -423,7 +442,7 @@ def patch_fool(
     def objectives(u):
         """[CE, attention loss of each block in attention_blocks], summed over the batch."""
         logits, attention = logits_and_attention_fn(paste(u))
-        terms = [cross_entropy(at_least_float32(logits), y)]
+        terms = [rspc.per_example_cross_entropy(logits, y)]
         terms += [
             _attention_loss(at_least_float32(attention[block]), target_token)
             for block in attention_blocks

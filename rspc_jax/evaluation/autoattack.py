@@ -9,6 +9,7 @@ class) with no robust point left is skipped, and Square spends queries only on t
 still robust.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -34,6 +35,52 @@ def stage_keys(rng: jax.Array, version: str) -> dict:
 class AutoAttackResult(NamedTuple):
     robust: dict  # 'clean', then each stage of the version: (B,) bool, robust after it
     square_queries: jax.Array | None  # (B,) Square's queries per example ('standard' only)
+
+
+def _attack_the_robust(attack, still_robust: jax.Array) -> jax.Array:
+    """still_robust AND attack()'s robust flags; nothing runs once no point is left."""
+    return jax.lax.cond(
+        jnp.any(still_robust), lambda: still_robust & attack(), lambda: still_robust
+    )
+
+
+def _apgd_stage(logits_fn, x, y, key, still_robust, *, eps, n_iter, loss, **kwargs):
+    """One APGD stage on the points still robust: their robust flags after it."""
+
+    def attack():
+        _, robust_apgd = attacks.apgd(
+            logits_fn, x, y, key, eps=eps, n_iter=n_iter, loss=loss, **kwargs
+        )
+        return robust_apgd
+
+    return _attack_the_robust(attack, still_robust)
+
+
+def _targeted_stages(logits_fn, x, y, keys, robust, targets, *, eps, n_iter, n_queries):
+    """The standard version after APGD-CE: APGD-T and FAB-T towards every target, then
+    Square; adds their robust flags to `robust` and returns Square's queries."""
+    stage = functools.partial(_apgd_stage, logits_fn, x, y, eps=eps, n_iter=n_iter)
+
+    def apgd_target(still_robust, target_and_key):
+        y_target, key = target_and_key
+        return stage(key, still_robust, loss="dlr_targeted", y_target=y_target), None
+
+    target_keys = jax.random.split(keys["apgd_t"], targets.shape[0])
+    robust["apgd_t"], _ = jax.lax.scan(apgd_target, robust["apgd_ce"], (targets, target_keys))
+
+    def fab_target(still_robust, y_target):
+        def attack():
+            _, distance = fab.fab_targeted(logits_fn, x, y, y_target, n_iter=n_iter)
+            return distance > eps
+
+        return _attack_the_robust(attack, still_robust), None
+
+    robust["fab_t"], _ = jax.lax.scan(fab_target, robust["apgd_t"], targets)
+    _, robust_square, queries = square.square(
+        logits_fn, x, y, keys["square"], eps=eps, n_queries=n_queries, attack=robust["fab_t"]
+    )
+    robust["square"] = robust["fab_t"] & robust_square
+    return queries
 
 
 def autoattack(
@@ -67,29 +114,11 @@ def autoattack(
         logits_fn(x, keys["clean"]) if randomised else logits_fn(x)
     )
     robust = {"clean": ~attacks.misclassified(clean_logits, y)}
-
-    def attack_the_robust(attack, still_robust):
-        """still_robust AND attack()'s robust flags; nothing runs once no point is left."""
-        return jax.lax.cond(
-            jnp.any(still_robust), lambda: still_robust & attack(), lambda: still_robust
-        )
-
-    def apgd_stage(loss, key, still_robust, **kwargs):
-        def attack():
-            _, robust_apgd = attacks.apgd(
-                logits_fn, x, y, key, eps=eps, n_iter=n_iter, loss=loss, **kwargs
-            )
-            return robust_apgd
-
-        return attack_the_robust(attack, still_robust)
-
+    stage = functools.partial(_apgd_stage, logits_fn, x, y, eps=eps, n_iter=n_iter)
     if randomised:
-        robust["apgd_ce"] = apgd_stage(
-            "ce", keys["apgd_ce"], robust["clean"], eot_iter=RAND_EOT_ITER
-        )
-        robust["apgd_dlr"] = apgd_stage(
-            "dlr", keys["apgd_dlr"], robust["apgd_ce"], eot_iter=RAND_EOT_ITER
-        )
+        eot = dict(eot_iter=RAND_EOT_ITER)
+        robust["apgd_ce"] = stage(keys["apgd_ce"], robust["clean"], loss="ce", **eot)
+        robust["apgd_dlr"] = stage(keys["apgd_dlr"], robust["apgd_ce"], loss="dlr", **eot)
         return AutoAttackResult(robust, None)
 
     if not 1 <= n_target_classes < clean_logits.shape[-1]:
@@ -98,26 +127,8 @@ def autoattack(
             f"{clean_logits.shape[-1] - 1} other classes"
         )
     targets = attacks.autoattack_targets(clean_logits, n_target_classes)
-    robust["apgd_ce"] = apgd_stage("ce", keys["apgd_ce"], robust["clean"])
-
-    def apgd_target(still_robust, target_and_key):
-        y_target, key = target_and_key
-        return apgd_stage("dlr_targeted", key, still_robust, y_target=y_target), None
-
-    target_keys = jax.random.split(keys["apgd_t"], n_target_classes)
-    robust["apgd_t"], _ = jax.lax.scan(apgd_target, robust["apgd_ce"], (targets, target_keys))
-
-    def fab_target(still_robust, y_target):
-        def attack():
-            _, distance = fab.fab_targeted(logits_fn, x, y, y_target, n_iter=n_iter)
-            return distance > eps
-
-        return attack_the_robust(attack, still_robust), None
-
-    robust["fab_t"], _ = jax.lax.scan(fab_target, robust["apgd_t"], targets)
-
-    _, robust_square, queries = square.square(
-        logits_fn, x, y, keys["square"], eps=eps, n_queries=n_queries, attack=robust["fab_t"]
+    robust["apgd_ce"] = stage(keys["apgd_ce"], robust["clean"], loss="ce")
+    queries = _targeted_stages(
+        logits_fn, x, y, keys, robust, targets, eps=eps, n_iter=n_iter, n_queries=n_queries
     )
-    robust["square"] = robust["fab_t"] & robust_square
     return AutoAttackResult(robust, queries)

@@ -1,5 +1,7 @@
-"""Runs the suites of a training run or a checkpoint file and writes the JSON files, the
-report and the figures; the CLI is `rspc_jax.evaluate`."""
+"""The one driver of the suites and the analyses (plug-ins of `evaluation.registry`) on a
+training run or a checkpoint file: loads the weights, runs each plug-in, writes
+<out>/<name>.json and <out>/figures/*.png, then report.md (suites; the CLI
+`rspc_jax.evaluate`) or summary.md (analyses; the CLI `rspc_jax.analyze`)."""
 
 import json
 import os
@@ -10,10 +12,8 @@ import jax
 
 from rspc_jax import ConfigError, models, parallel, rspc
 from rspc_jax.data import specs as datasets
-from rspc_jax.evaluation import figures, report, sources
 from rspc_jax.evaluation import loop as runner
-from rspc_jax.evaluation import shift_suites as benchmarks
-from rspc_jax.evaluation import suites as suites_lib
+from rspc_jax.evaluation import registry, report, sources
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import state_dicts as interop
 
@@ -80,41 +80,63 @@ def build_context(
     )
 
 
-def run_suites(
-    config, *, workdir=None, checkpoint=None, step=None, ema=False, suites=None, out=None
-) -> dict:
-    """Runs the suites; returns {suite: result} and writes the files."""
-    available = {**suites_lib.SUITES, **benchmarks.SUITES}
-    names = [s for s in (suites or config.evaluation.suites).split(",") if s]
-    unknown = sorted(set(names) - set(available))
-    if unknown:
-        raise ConfigError(f"unknown suites {unknown}; choose from {sorted(available)}")
+def _run_one(kind: str, name: str, ctx: runner.Context) -> tuple[dict, dict]:
+    """(result, the arrays of its figures): a plug-in that cannot run here gives
+    {'skipped': why}, never a crash of the whole run."""
+    start = time.time()
+    logging.info(f"== {name}")
+    try:
+        result = registry.plugin(kind, name).run(ctx)
+    except (runner.SuiteSkipped, sources.MissingDataError) as e:
+        logging.info(f"[{name}] skipped: {e}")
+        result = dict(skipped=str(e))
+    arrays = result.pop("figures", {})
+    result["seconds"] = round(time.time() - start, 1)
+    logging.info(f"[{name}] done in {result['seconds']}s")
+    return result, arrays
+
+
+def _write_one(kind: str, name: str, result: dict, arrays: dict, out: str) -> list[str]:
+    """Writes <out>/<name>.json and the plug-in's figures; returns the figures' paths."""
+    plugin = registry.plugin(kind, name)
+    paths = []
+    if "skipped" not in result and hasattr(plugin, "figures"):
+        paths = plugin.figures(result, arrays, os.path.join(out, "figures"))
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return paths
+
+
+def _run_all(kind: str, names: list[str], config, settings, weights: dict, out, folder: str):
+    """Runs the plug-ins `names` of `kind` on the weights that `weights` (load_variables'
+    keywords) name, writing to `out` (default: `folder` beside the weights). Returns
+    ({name: result}, {name: figure paths}, the weights' description, the output folder)."""
     spec = datasets.dataset_spec(config.dataset)
     model = models.from_config(config, spec.num_classes)
-    variables, corruption_params, source = load_variables(
-        config, model, workdir=workdir, checkpoint=checkpoint, step=step, ema=ema
+    variables, corruption_params, source = load_variables(config, model, **weights)
+    ctx = build_context(config, model, variables, corruption_params, settings=settings)
+    out = out or os.path.join(
+        weights["workdir"] or os.path.dirname(os.path.abspath(weights["checkpoint"])), folder
     )
-    ctx = build_context(config, model, variables, corruption_params)
-    out = out or os.path.join(workdir or os.path.dirname(os.path.abspath(checkpoint)), "eval")
     os.makedirs(out, exist_ok=True)
     results, figure_paths = {}, {}
     for name in names:
-        start = time.time()
-        logging.info(f"== {name}")
-        try:
-            result = available[name](ctx)
-        except (runner.SuiteSkipped, sources.MissingDataError) as e:
-            logging.info(f"[{name}] skipped: {e}")
-            result = dict(skipped=str(e))
-        figs = result.pop("figures", {})
-        result["seconds"] = round(time.time() - start, 1)
-        results[name] = result
+        results[name], arrays = _run_one(kind, name, ctx)
         if jax.process_index() == 0:
-            if "skipped" not in result:
-                figure_paths[name] = figures.make(name, result, figs, os.path.join(out, "figures"))
-            with open(os.path.join(out, f"{name}.json"), "w") as f:
-                json.dump(result, f, indent=2)
-        logging.info(f"[{name}] done in {result['seconds']}s")
+            figure_paths[name] = _write_one(kind, name, results[name], arrays, out)
+    return results, figure_paths, source, out
+
+
+def run_suites(
+    config, *, workdir=None, checkpoint=None, step=None, ema=False, suites=None, out=None
+) -> dict:
+    """Runs the comma-separated `suites` (default config.evaluation.suites); returns
+    {suite: result} and writes the JSON files, the figures and report.md."""
+    names = registry.names("suite", suites or config.evaluation.suites)
+    weights = dict(workdir=workdir, checkpoint=checkpoint, step=step, ema=ema)
+    results, figure_paths, source, out = _run_all(
+        "suite", names, config, config.evaluation, weights, out, "eval"
+    )
     if jax.process_index() == 0:
         path = report.write(
             out,
@@ -126,4 +148,29 @@ def run_suites(
             config=config,
         )
         logging.info(f"Report: {path}")
+    return results
+
+
+def run_analyses(
+    config, *, analyses: str, workdir=None, checkpoint=None, step=None, ema=False, out=None
+) -> dict:
+    """Runs the comma-separated `analyses` (settings: config.analysis); returns
+    {analysis: result}, prints each one's lines and writes the JSON files, the figures and
+    summary.md."""
+    names = registry.names("analysis", analyses)
+    weights = dict(workdir=workdir, checkpoint=checkpoint, step=step, ema=ema)
+    results, figure_paths, source, out = _run_all(
+        "analysis", names, config, config.analysis, weights, out, "analysis"
+    )
+    sections = []
+    for name, result in results.items():
+        lines = report.analysis_lines(name, result)
+        print("\n".join(lines), flush=True)
+        sections += [f"## {name} ({result['seconds']} s)", "", *lines, ""]
+        for path in figure_paths.get(name, []):
+            sections += [f"![{name}]({os.path.relpath(path, out)})", ""]
+    if jax.process_index() == 0:
+        heading = f"# Analyses of {config.model_name} ({source}) on {config.dataset}"
+        path = report.write_summary(out, heading, sections)
+        logging.info(f"Summary: {path}")
     return results

@@ -155,7 +155,7 @@ class CheckpointFlags:
     out: flags.FlagHolder
 
     def source(self) -> dict:
-        """Keyword arguments of evaluation.run_suites.run_suites / evaluation.analysis.run_analyses.run_analyses."""
+        """Keyword arguments of evaluation.run_suites.run_suites and .run_analyses."""
         return dict(
             workdir=self.workdir.value,
             checkpoint=self.checkpoint.value,

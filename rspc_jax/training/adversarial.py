@@ -11,15 +11,13 @@ attack losses are summed, so an example's perturbation does not depend on the ba
 (or on how it is split over devices).
 """
 
-from collections.abc import Callable
 import dataclasses
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from rspc_jax import rspc
-from rspc_jax.evaluation.attacks import project_linf
+from rspc_jax.evaluation.attacks import project_linf, signed_ascent
 from rspc_jax.training import checks
 
 METHODS = checks.CHOICES["adversarial.method"]
@@ -79,16 +77,6 @@ def random_start(rng, example_ids, pixels, eps):
     """x + U[-eps, eps] + 1e-5, projected; the noise is keyed by global example index."""
     uniform = rspc.uniform_noise(rng, example_ids, pixels.shape[1:])
     return project_linf(pixels + (2.0 * uniform - 1.0) * eps + START_OFFSET, pixels, eps)
-
-
-def signed_ascent(loss_fn: Callable, pixels, start, *, eps, step_size, steps: int):
-    """`steps` steps x <- proj(x + step_size * sign(grad loss_fn(x))) from `start`;
-    loss_fn(x) is the per-example attack loss summed over the batch."""
-
-    def step(_, x):
-        return project_linf(x + step_size * jnp.sign(jax.grad(loss_fn)(x)), pixels, eps)
-
-    return jax.lax.stop_gradient(jax.lax.fori_loop(0, steps, step, start))
 
 
 def kl_divergence(clean_logits, adv_logits):
@@ -168,7 +156,7 @@ def adversarial_loss(
     else:
 
         def attack_loss(x):
-            return optax.softmax_cross_entropy(attack_logits(x).astype(jnp.float32), targets).sum()
+            return rspc.per_example_cross_entropy(attack_logits(x), targets).sum()
 
         x_adv = signed_ascent(
             attack_loss, pixels, start, eps=eps, step_size=settings.step_size, steps=settings.steps

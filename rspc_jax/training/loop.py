@@ -23,7 +23,8 @@ from rspc_jax import ConfigError, ReportedError, parallel
 from rspc_jax.data import records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
-from rspc_jax.evaluation import run_suites, suites
+from rspc_jax.evaluation import run_suites
+from rspc_jax.evaluation.suites import clean as clean_suite
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import state_dicts as interop
 from rspc_jax.training import host_memory, setup, workdir_lock
@@ -187,7 +188,7 @@ def _agree(flag: bool) -> bool:
 
 def _clean_eval(ctx, params, batch_stats, fgsm_eps: float) -> dict:
     """The evaluation package's `clean` suite, under the names training logs."""
-    result = suites.clean(
+    result = clean_suite.run(
         ctx.with_variables(dict(params=params, batch_stats=batch_stats)), fgsm_eps=fgsm_eps
     )
     return dict(
