@@ -40,13 +40,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 # The reference fixtures (docs/testing.md, "Reference fixtures and skips"): by default
-# ../shared/reference/fixtures next to the repository; the environment variable
+# tests/fixtures/reference, written by reference/make_fixtures.py; the environment variable
 # RSPC_JAX_FIXTURES names another folder (e.g. a nonexistent one, to check that every parity
 # test then skips with its reason). The full-size key manifests are read from the sibling
 # folder FIXTURES.parent / "torch_keys".
 FIXTURES_ENV = "RSPC_JAX_FIXTURES"
 FIXTURES = pathlib.Path(
-    os.environ.get(FIXTURES_ENV) or REPO.parent / "shared" / "reference" / "fixtures"
+    os.environ.get(FIXTURES_ENV) or REPO / "tests" / "fixtures" / "reference"
 ).expanduser()
 
 
