@@ -1,8 +1,8 @@
 """Forward+backward time of a ViT block's parts, ours (flax on XLA) beside timm's (PyTorch),
 in one process: which layer a train step's gap to PyTorch comes from.
 
-    python -m rspc_jax.tools.layer_benchmark --batch=8 --steps=10
-    python -m rspc_jax.tools.layer_benchmark --width=192 --heads=3 --model=deit_tiny_patch16_224
+    python -m benchmarks.layers --batch=8 --steps=10
+    python -m benchmarks.layers --width=192 --heads=3 --model=deit_tiny_patch16_224
 
 Parts: LayerNorm, attention (qkv, softmax attention, projection), MLP (fc1, exact GELU,
 fc2), a whole block (drop path 0.1), and with --model the whole model (our registered model
@@ -19,9 +19,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from benchmarks import timing
 from rspc_jax import models
 from rspc_jax.models import layers
-from rspc_jax.tools import cli, timing
+from rspc_jax.tools import cli
 
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences (images) per step.", lower_bound=1)
 _TOKENS = flags.DEFINE_integer(

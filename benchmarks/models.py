@@ -1,7 +1,7 @@
 """Parameter count and forward+backward speed of registered models, measured in one run.
 
-    python -m rspc_jax.tools.model_benchmark --batch=8 --steps=3
-    python -m rspc_jax.tools.model_benchmark --models=rvt_base_plus --compute_dtype=bfloat16 --remat
+    python -m benchmarks.models --batch=8 --steps=3
+    python -m benchmarks.models --models=rvt_base_plus --compute_dtype=bfloat16 --remat
 
 Each model is initialised for 1000 classes at --image_size, then the gradient of the
 cross-entropy with respect to all parameters (train mode: drop path, BatchNorm batch

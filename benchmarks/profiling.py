@@ -2,7 +2,7 @@
 with `jax.profiler.ProfileData`, summed per XLA op (thunk) and described by its HLO, or by
 the model layer it belongs to (`by_scope`).
 
-Used by `python -m rspc_jax.benchmark --profile_dir=DIR`, which prints the top ops of
+Used by `python -m benchmarks.train_step --profile_dir=DIR`, which prints the top ops of
 every variant and, with plain and RSPC both profiled, the layers where RSPC's step takes
 more than twice the plain step's time (`excess`); the trace stays in DIR for TensorBoard's
 profile plugin or Perfetto.
@@ -82,8 +82,7 @@ def sum_ops(planes, hlo_text: str, steps: int, count: int | None = 10) -> list[d
 
     On CPU an op's time is its share of the wall time (`_wall_shares`): XLA:CPU runs a
     matrix product on several threads at once and independent ops side by side, so times
-    summed over threads add up to more than the step took (RVT-Ti*'s plain step: 957 ms of
-    op time in an 805 ms step)."""
+    summed over threads add up to more than the step took."""
     described = describe_ops(hlo_text)
     events = [(name, e) for name, e in _op_events(planes, hlo_text, described) if e.duration_ns > 0]
     if any(plane.name.startswith("/device:") for plane in planes):

@@ -1,7 +1,7 @@
-"""timm's train step of a model, timed as `rspc_jax.tools.benchmark` times ours, for the
-side-by-side comparison of `python -m rspc_jax.benchmark --compare_timm`.
+"""timm's train step of a model, timed as `benchmarks.measure` times ours, for the
+side-by-side comparison of `python -m benchmarks.train_step --compare_timm`.
 
-    python -m rspc_jax.tools.timm_step --model=deit_small_patch16_224 --batch=8 --steps=5
+    python -m benchmarks.timm_step --model=deit_small_patch16_224 --batch=8 --steps=5
 
 One step is what our plain step does for a ViT/DeiT or XCiT config: Mixup/CutMix of the
 batch when an alpha is positive (timm's `Mixup`, which timm's and the official training loops
@@ -20,7 +20,7 @@ import statistics
 
 from absl import app, flags
 
-from rspc_jax.tools import timing
+from benchmarks import timing
 
 
 def time_timm_step(
@@ -64,7 +64,7 @@ def time_timm_step(
         raise SystemExit(
             f"{model_name} is not a timm model, so there is no timm step to compare with; "
             "--compare_timm covers the ViT/DeiT and XCiT configs (for RVT and FAN, time the "
-            "official code: docs/speed.md)"
+            "official code with --compare_command)"
         )
     torch.set_num_threads(threads or timing.usable_cores())
     torch.manual_seed(0)

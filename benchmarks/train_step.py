@@ -1,7 +1,7 @@
 """Speed of train-step variants of a config's model, measured in one run.
 
-    python -m rspc_jax.benchmark --config=configs/demo.py --steps=30
-    python -m rspc_jax.benchmark --config=configs/demo.py --variants=plain,rspc,fgsm_at,trades1,trades2,trades3
+    python -m benchmarks.train_step --config=configs/demo.py --steps=30
+    python -m benchmarks.train_step --config=configs/demo.py --variants=plain,rspc,fgsm_at,trades1
 
 Every variant runs on the same random global batch in the same process (no input
 pipeline), each blocked per step; the table gives compile time, median step time,
@@ -15,43 +15,36 @@ RSPC's cost beyond the doubled batch, plain_2x / plain the doubled batch's), or 
 rspc_jax.training.ablations (the adversarial-training baselines of the paper's Fig. 7 among
 them).
 
-    python -m rspc_jax.benchmark --config=configs/deit_s.py --batch=8 --steps=5 --compare_timm
+    python -m benchmarks.train_step --config=configs/deit_s.py --batch=8 --steps=5 --compare_timm
 
 `--compare_timm` then times timm's train step of the same model in a fresh process
-(rspc_jax.tools.timm_step), alternating with more of our steps for `--rounds` rounds, and
+(benchmarks.timm_step), alternating with more of our steps for `--rounds` rounds, and
 prints the median time ratio and both peak memories. `--compare_command` does the same with
-any reference step, e.g. the official RVT code's, from a script outside this repository
-(docs/speed.md, "Tools"):
+any reference step, e.g. the official RVT code's (benchmarks/official_step.py):
 
-    python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.patch_aug=off --batch=8 --steps=5 \
-        --compare_command=plain='python /path/time_official.py plain {steps}' \
-        --compare_command=rspc='python /path/time_official.py rspc {steps}'
-
-    python -m rspc_jax.benchmark --config=configs/rvt_ti.py --config.compute_dtype=bfloat16 --memory --variants=rspc --slices=v3-8,v4-8
+    python -m benchmarks.train_step --config=configs/rvt_ti.py --config.patch_aug=off --batch=8 \
+        --steps=5 --compare_command=plain='python time_official.py plain {steps}' \
+        --compare_command=rspc='python time_official.py rspc {steps}'
 
 `--interleave` alternates our variants alone in the same way and prints their medians over
 all rounds against the first variant, with rspc / plain, rspc / plain_2x and plain_2x /
 plain: ratios between our own steps that the machine's drift does not bias. A variant
-followed by @SWITCH=CHOICE is traced and compiled with that implementation switch of
-rspc_jax.models.ops, so one command is a same-process A/B of a backend choice:
+followed by @CHOICE=VALUE is traced and compiled with that implementation choice of
+rspc_jax.models.ops (`ops.CHOICES`), so one command is a same-process A/B of a backend
+choice:
 
-    python -m rspc_jax.benchmark --config=configs/rvt_ti.py --batch=8 --steps=3 --rounds=10 \
-        --interleave --variants=rspc,rspc@RSPC_JAX_BATCHED_GRADIENT=xla
-
-`--memory` times nothing: it prints, for each variant with remat off and on, the largest
-per-device micro-batch whose step fits `--headroom` of a device's memory on each slice
-(XLA's memory analysis of the compiled step, a few compiles each) and the grad_accum_steps
-that reach the config's global batch there (rspc_jax.tools.memory_plan).
+    python -m benchmarks.train_step --config=configs/rvt_ti.py --batch=8 --steps=3 --rounds=10 \
+        --interleave --variants=rspc,rspc@batched_gradient=xla
 
 `--compile_only` compiles each variant without running it and prints the compile times,
 FLOPs and XLA's memory estimates; with JAX_COMPILATION_CACHE_DIR set it fills that cache,
 so that several configs can compile at once on a many-core host before they are timed one
-at a time (launch/benchmark_accelerator.sh). On CPU the steps' oneDNN products keep them out of
-that cache; `RSPC_JAX_CPU_PRODUCTS=xla` compiles them with jaxlib's default products, which it
-stores.
+at a time (launch/benchmark_accelerator.sh). On CPU, with that cache on, the steps take
+jaxlib's default products, which the cache stores, not oneDNN's (`ops.compiler_options`).
+
+How large a micro-batch fits a TPU slice is `python -m rspc_jax.plan`, part of the library.
 """
 
-import os
 import shlex
 
 from absl import app, flags
@@ -68,8 +61,8 @@ _VARIANTS = flags.DEFINE_string(
     "variants",
     "plain,rspc",
     "Comma-separated step variants: plain, rspc, plain_2x (plain on twice the batch) or names "
-    "of rspc_jax.training.ablations, each optionally followed by @SWITCH=CHOICE (an "
-    "environment switch of rspc_jax.models.ops, e.g. rspc@RSPC_JAX_CPU_PRODUCTS=xla).",
+    "of rspc_jax.training.ablations, each optionally followed by @CHOICE=VALUE (an "
+    "implementation choice of rspc_jax.models.ops, e.g. rspc@cpu_products=xla).",
 )
 _PROFILE_DIR = flags.DEFINE_string(
     "profile_dir",
@@ -114,26 +107,11 @@ _COMPILE_ONLY = flags.DEFINE_bool(
     "XLA's memory estimate (and fill JAX's persistent compilation cache when "
     "JAX_COMPILATION_CACHE_DIR is set, so that a later timed run loads the compiled steps).",
 )
-_MEMORY = flags.DEFINE_bool(
-    "memory",
-    False,
-    "Plan memory instead of timing: the largest per-device micro-batch that fits and the "
-    "grad_accum_steps for the global batch on each of --slices.",
-)
-_SLICES = flags.DEFINE_string(
-    "slices",
-    "all",
-    "With --memory: comma-separated slices (v3-8, v4-8, v5e-8, v5p-8, h100, a100-40, a100-80) "
-    "or 'all'.",
-)
-_HEADROOM = flags.DEFINE_float(
-    "headroom", 0.9, "With --memory: the fraction of a device's memory the step may fill."
-)
 
 
 def main(argv):
     cli.start(argv)
-    from rspc_jax.tools import benchmark
+    from benchmarks import measure, side_by_side, tables, variants
 
     config = _CONFIG.value
     if config is None:
@@ -141,37 +119,26 @@ def main(argv):
     if _BATCH.value:
         config.batch_size = _BATCH.value
     _refuse_unused_flags()
-    benchmark.check_variants(_VARIANTS.value.split(","))
-    if _MEMORY.value:
-        if "@" in _VARIANTS.value:
-            raise app.UsageError(
-                "--memory plans accelerator memory, where the switches' CPU choices do not "
-                "apply: drop the @SWITCH=CHOICE parts of --variants"
-            )
-        memory_plan(config)
-        return
+    names = _VARIANTS.value.split(",")
+    variants.check_variants(names)
     if _COMPILE_ONLY.value:
-        benchmark.print_compile_table(config, _VARIANTS.value.split(","))
+        tables.print_compile_table(config, measure.compile_variants(config, names))
         return
-    references = _references(config, benchmark)
-    results = benchmark.print_table(
-        config,
-        _VARIANTS.value.split(","),
-        _STEPS.value,
-        profile_dir=_PROFILE_DIR.value,
-        keep_timers=bool(references) or _INTERLEAVE.value,
+    references = _references(config, side_by_side)
+    interleaved = bool(references) or _INTERLEAVE.value
+    results = measure.time_variants(
+        config, names, _STEPS.value, profile_dir=_PROFILE_DIR.value, keep_timers=interleaved
     )
-    if references or _INTERLEAVE.value:
-        benchmark.compare_side_by_side(results, references, _STEPS.value, _ROUNDS.value)
+    tables.print_table(config, results, _STEPS.value)
+    if interleaved:
+        side_by_side.compare_side_by_side(results, references, _STEPS.value, _ROUNDS.value)
 
 
 def _refuse_unused_flags() -> None:
-    """--memory and --compile_only run no step: the flags of timed runs would be ignored."""
-    mode = "--memory" if _MEMORY.value else "--compile_only" if _COMPILE_ONLY.value else ""
+    """--compile_only runs no step: the flags of timed runs would be ignored."""
     timed = [
         name
         for name, given in (
-            ("--compile_only", _MEMORY.value and _COMPILE_ONLY.value),
             ("--compare_timm", _COMPARE_TIMM.value),
             ("--compare_command", _COMPARE_COMMAND.value),
             ("--interleave", _INTERLEAVE.value),
@@ -179,18 +146,18 @@ def _refuse_unused_flags() -> None:
         )
         if given
     ]
-    if mode and timed:
+    if _COMPILE_ONLY.value and timed:
         raise app.UsageError(
-            f"{mode} runs no step, so {', '.join(timed)} would do nothing: drop "
-            f"{'it' if len(timed) == 1 else 'them'}, or drop {mode} to time the steps"
+            f"--compile_only runs no step, so {', '.join(timed)} would do nothing: drop "
+            f"{'it' if len(timed) == 1 else 'them'}, or drop --compile_only to time the steps"
         )
 
 
-def _references(config, benchmark) -> dict:
+def _references(config, side_by_side) -> dict:
     """variant -> (label, command) of the reference steps to alternate with ours."""
     references = {}
     if _COMPARE_TIMM.value:
-        references["plain"] = ("timm", benchmark.timm_command(config, _STEPS.value))
+        references["plain"] = ("timm", side_by_side.timm_command(config, _STEPS.value))
     for entry in _COMPARE_COMMAND.value:
         variant, _, command = entry.partition("=")
         if not command or variant not in _VARIANTS.value.split(","):
@@ -204,15 +171,6 @@ def _references(config, benchmark) -> dict:
         label = f"ref:{variant}"
         references[variant] = (label, shlex.split(command.replace("{steps}", str(_STEPS.value))))
     return references
-
-
-def memory_plan(config):
-    """--memory: the plan, with the slices checked before JAX starts."""
-    from rspc_jax.tools import memory_plan as planner
-
-    planner.resolve_slices(_SLICES.value)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {planner.XLA_FLAGS}".strip()
-    planner.print_plan(config, _VARIANTS.value.split(","), _SLICES.value, _HEADROOM.value)
 
 
 if __name__ == "__main__":

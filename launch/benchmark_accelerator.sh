@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The accelerator table of docs/speed.md on one GPU or TPU chip: plain and RSPC train steps of
-# DeiT-S, RVT-S*, FAN-S-Hybrid and XCiT-S12 in bfloat16 (DeiT-S also with the explicit
-# attention, and in float32), each a `python -m rspc_jax.benchmark` run.
+# The accelerator table on one GPU or TPU chip: plain and RSPC train steps of DeiT-S, RVT-S*,
+# FAN-S-Hybrid and XCiT-S12 in bfloat16 (DeiT-S also with the explicit attention, and in
+# float32), each a `python -m benchmarks.train_step` run.
 #
 #   launch/benchmark_accelerator.sh [LOG]      # LOG default: benchmark_accelerator.log
 #
@@ -11,16 +11,15 @@
 # The compile times of the first phase were taken side by side with the other compiles.
 # On GPUs, DeiT-S and XCiT-S12 are timed beside timm's step (`--compare_timm`, bfloat16
 # autocast on the same GPU); with OFFICIAL=/path/time_official.py, RVT-S* beside the official
-# code's step (docs/speed.md, "Tools"). Rows go in order of priority: a run that outlives its
-# time limit costs only the rows after it.
+# code's step (--compare_command). Rows go in order of priority: a run that outlives its time
+# limit costs only the rows after it.
 #
 # BATCH (default 256) is DeiT-S's batch, BATCH_CONV (default 128) the other models';
 # STEPS (default 10) the timed steps per step kind; COMPILE_TIMEOUT (default 900 s) bounds the
-# compile phase and RUN_TIMEOUT (default 600 s) each timed row (on one H200 with 16 host cores,
-# DeiT-S compiled in about 120 s beside the 17 other compiles, RVT-S*, FAN-S-Hybrid and
-# XCiT-S12 took over 200 s: docs/speed.md); PROFILE_DIR, if set, also
+# compile phase and RUN_TIMEOUT (default 600 s) each timed row (the convolutional models
+# compile for minutes beside the other compiles); PROFILE_DIR, if set, also
 # traces each row's steps there (--profile_dir) and prints their top ops; EXTRA_ROWS, more rows
-# in the ROWS format below (one per line), e.g. A/B settings, timed right after the first row;
+# in the ROWS format below (one per line), e.g. A/B choices, timed right after the first row;
 # COMPILE_JOBS, the compiles at a time (default: all on GPUs, 1 on TPUs).
 set -uo pipefail
 LOG="${1:-benchmark_accelerator.log}"
@@ -40,7 +39,8 @@ if [[ -n "${OFFICIAL:-}" ]]; then
   OFFICIAL_ROWS="--rounds=2 --compare_command=plain='$PYTHON $OFFICIAL plain {steps} rvt_small_plus $BATCH_CONV'"
   OFFICIAL_ROWS+=" --compare_command=rspc='$PYTHON $OFFICIAL rspc {steps} rvt_small_plus $BATCH_CONV'"
 fi
-# name | environment | the config and its overrides | what the timed run adds
+# name | implementation choices of both step kinds (@CHOICE=VALUE..., rspc_jax.models.ops) |
+# the config and its overrides | what the timed run adds
 ROWS=(
   "deit_s_bf16||--config=configs/deit_s.py --batch=$BATCH $BF16|$TIMM"
 )
@@ -48,7 +48,7 @@ while IFS= read -r row; do
   [[ -n "$row" ]] && ROWS+=("$row")
 done <<<"${EXTRA_ROWS:-}"
 ROWS+=(
-  "deit_s_bf16_explicit_attention|RSPC_JAX_ATTENTION=explicit|--config=configs/deit_s.py --batch=$BATCH $BF16|"
+  "deit_s_bf16_explicit_attention|@attention=explicit|--config=configs/deit_s.py --batch=$BATCH $BF16|"
   "rvt_s_bf16||--config=configs/rvt_s.py --batch=$BATCH_CONV $BF16 --config.patch_aug=off|$OFFICIAL_ROWS"
   "fan_s_hybrid_bf16||--config=configs/fan_s_hybrid.py --batch=$BATCH_CONV $BF16|"
   "xcit_s12_bf16||--config=configs/xcit_s12.py --batch=$BATCH_CONV $BF16|$TIMM"
@@ -69,11 +69,11 @@ COMPILE_JOBS="${COMPILE_JOBS:-$([[ "$backend" == tpu ]] && echo 1 || echo 0)}"  
 echo "== compile phase: every row's steps, $( ((COMPILE_JOBS)) && echo "$COMPILE_JOBS" || echo all) at a time" | tee -a "$LOG"
 COMPILE_LOGS="$(mktemp -d)"
 for row in "${ROWS[@]}"; do
-  IFS='|' read -r name environment args _ <<<"$row"
+  IFS='|' read -r name choices args _ <<<"$row"
   for variant in plain rspc; do
     # shellcheck disable=SC2086  # the fields are word lists
-    env $environment timeout -k 10 "${COMPILE_TIMEOUT:-900}" "$PYTHON" -m rspc_jax.benchmark \
-      --compile_only --variants=$variant $args >"$COMPILE_LOGS/$name.$variant" 2>&1 &
+    timeout -k 10 "${COMPILE_TIMEOUT:-900}" "$PYTHON" -m benchmarks.train_step \
+      --compile_only --variants=$variant$choices $args >"$COMPILE_LOGS/$name.$variant" 2>&1 &
     while ((COMPILE_JOBS > 0 && $(jobs -rp | wc -l) >= COMPILE_JOBS)); do wait -n; done
   done
 done
@@ -90,11 +90,12 @@ rm -rf "$COMPILE_LOGS"
 
 echo "== timed phase: one row at a time" | tee -a "$LOG"
 for row in "${ROWS[@]}"; do
-  IFS='|' read -r name environment args timed <<<"$row"
+  IFS='|' read -r name choices args timed <<<"$row"
   profile=""
   [[ -n "${PROFILE_DIR:-}" ]] && profile="--profile_dir=$PROFILE_DIR/$name"
-  echo "== $name: $environment $args $timed" | tee -a "$LOG"
+  echo "== $name: $choices $args $timed" | tee -a "$LOG"
   # eval: the reference commands are quoted inside $timed.
-  eval "env $environment timeout -k 10 ${RUN_TIMEOUT:-600} $PYTHON -m rspc_jax.benchmark \
-    --steps=$STEPS $args $timed $profile" 2>&1 | quiet | tee -a "$LOG"
+  eval "timeout -k 10 ${RUN_TIMEOUT:-600} $PYTHON -m benchmarks.train_step \
+    --steps=$STEPS --variants=plain$choices,rspc$choices $args $timed $profile" 2>&1 |
+    quiet | tee -a "$LOG"
 done

@@ -26,13 +26,10 @@ FAST_COMPILE = (
     " --xla_cpu_use_fusion_emitters=false"
 )
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
-# XLA:CPU cannot write steps with oneDNN's products into the persistent compilation cache
-# below, so the suite compiles the steps with jaxlib's default products; the tests of oneDNN's
-# set the switch themselves (docs/testing.md, "How the tests run JAX"). Set before rspc_jax
-# is imported; subprocesses inherit it.
-os.environ.setdefault("RSPC_JAX_CPU_PRODUCTS", "xla")
 # Many tests (and their subprocesses) compile the same small programs again: one persistent
-# compilation cache for the whole run lets them load what another test compiled. It is made by
+# compilation cache for the whole run lets them load what another test compiled. With it, the
+# steps take jaxlib's default products on CPU, which the cache can store (`ops.compiler_options`);
+# the tests of oneDNN's products choose them explicitly. It is made by
 # the first process that imports this file (pytest-xdist's controller, whose workers and
 # subprocesses inherit the variable) and removed when that process exits.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -1,6 +1,7 @@
 """The package's shape: imports point one way through the layers, no package imports
-itself back through another, the top level stays small, and nothing cites files that a
-clone of the repository does not have."""
+itself back through another, the top level stays small, the speed laboratory (benchmarks/)
+stays beside the library, and nothing cites files that a clone of the repository does not
+have."""
 
 import ast
 import pathlib
@@ -22,7 +23,7 @@ LAYERS = (
     ("evaluation",),
     ("training",),
     ("tools",),
-    ("main", "evaluate", "analyze", "export", "study", "benchmark"),
+    ("main", "evaluate", "analyze", "export", "study", "plan"),
 )
 MAX_TOP_LEVEL = 14
 
@@ -30,6 +31,18 @@ MAX_TOP_LEVEL = 14
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_names(path: pathlib.Path) -> set[str]:
+    """Every module name `path` imports (absolute, as written), at module level or inside
+    functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -133,6 +146,26 @@ def test_imports_point_down_the_layers():
     assert units <= rank, f"top-level units without a layer: {sorted(units - rank)}"
     upward = _upward_imports(_graph())
     assert not upward, "imports that do not point to a lower layer:\n" + "\n".join(upward)
+
+
+def _laboratory_imports(paths) -> list[str]:
+    """'module -> name' for every import of the benchmarks package among `paths`."""
+    return sorted(
+        f"{_module_name(path)} -> {name}"
+        for path in paths
+        for name in _imported_names(path)
+        if name == "benchmarks" or name.startswith("benchmarks.")
+    )
+
+
+def test_the_library_never_imports_the_speed_laboratory():
+    """Training, evaluation and the models run without benchmarks/: nothing under
+    rspc_jax/ imports it (the check itself is shown to catch such an import)."""
+    offending = _laboratory_imports(PACKAGE.rglob("*.py"))
+    assert not offending, "rspc_jax imports benchmarks/:\n" + "\n".join(offending)
+    assert (ROOT / "benchmarks" / "__init__.py").is_file()
+    laboratory = _laboratory_imports((ROOT / "benchmarks").rglob("*.py"))
+    assert "benchmarks.train_step -> benchmarks" in laboratory  # the check sees imports
 
 
 def test_the_top_level_is_small():

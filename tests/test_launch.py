@@ -100,8 +100,10 @@ def test_accelerator_benchmark_script_compiles_every_row_then_times_each(tmp_pat
     )
     assert result.returncode == 0, result.stderr
     lines = log.read_text().splitlines()
-    compiles = [line for line in lines if line.startswith("-m rspc_jax.benchmark --compile_only")]
-    timed = [line for line in lines if line.startswith("-m rspc_jax.benchmark --steps=10 ")]
+    compiles = [
+        line for line in lines if line.startswith("-m benchmarks.train_step --compile_only")
+    ]
+    timed = [line for line in lines if line.startswith("-m benchmarks.train_step --steps=10 ")]
     assert len(compiles) == 18 and len(timed) == 9
     assert lines.index(compiles[-1]) < lines.index(timed[0])  # compiles first, all of them
     for line in compiles:
@@ -111,7 +113,9 @@ def test_accelerator_benchmark_script_compiles_every_row_then_times_each(tmp_pat
     deit = [t for t in timed if "--config=configs/deit_s.py --batch=64" in t]
     assert len(deit) == 3 and sum("compute_dtype=bfloat16" in t for t in deit) == 2
     assert "--compare_timm" in timed[0]
-    assert "RSPC_JAX_ATTENTION=explicit" in lines[lines.index(timed[1]) - 1]  # cuDNN's A/B
+    explicit = "plain@attention=explicit,rspc@attention=explicit"  # cuDNN's A/B
+    assert f"--variants={explicit}" in timed[1]
+    assert sum("--variants=rspc@attention=explicit" in line for line in compiles) == 1
     official = timed[2]
     assert "--config=configs/rvt_s.py --batch=128" in official
     assert "--compare_command=rspc=echo /x/time_official.py rspc {steps} rvt_small_plus 128" in (

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 from rspc_jax import models
-from rspc_jax.models import layers, ops
-from tests.conftest import run_python
+from rspc_jax.models import cpu_ops, layers, ops
 
 
 def _assert_same_values_and_gradients(fn, expected_fn, *args):
@@ -47,7 +46,7 @@ DENSE_CASES = {  # name: (in, out, kernel, strides, padding, size)
 }
 
 
-IMAGE_CASES = {  # inputs of fewer than 4 channels, for ops.conv_image
+IMAGE_CASES = {  # inputs of fewer than 4 channels, for cpu_ops.conv_image
     "rvt_stem_7x7_stride2": (3, 8, 7, 2, 2, 20),
     "xcit_stem_3x3_stride2": (3, 4, 3, 2, 1, 9),
     "grey_5x5_stride3_odd_size": (1, 3, 5, 3, 2, 13),
@@ -55,8 +54,8 @@ IMAGE_CASES = {  # inputs of fewer than 4 channels, for ops.conv_image
 }
 CONV_FORMS = {  # name: (CPU form, its cases)
     "im2col": (ops.conv_im2col, DENSE_CASES),
-    "blocks": (ops.conv_space_to_depth, DENSE_CASES),
-    "image": (ops.conv_image, IMAGE_CASES),  # XLA's conv on 4 channels, gradients by hand
+    "blocks": (cpu_ops.conv_space_to_depth, DENSE_CASES),
+    "image": (cpu_ops.conv_image, IMAGE_CASES),  # XLA's conv on 4 channels, gradients by hand
 }
 
 
@@ -88,7 +87,10 @@ def test_the_image_conv_s_kernel_gradient_over_more_images_than_products(batch):
         return jax.grad(lambda k: jnp.sum(conv(x, k, 2, 1) * target))(kernel)
 
     np.testing.assert_allclose(
-        kernel_gradient(ops.conv_image), kernel_gradient(ops.conv_reference), rtol=1e-4, atol=1e-4
+        kernel_gradient(cpu_ops.conv_image),
+        kernel_gradient(ops.conv_reference),
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 
@@ -97,7 +99,7 @@ def test_cpu_convs_of_images_take_the_image_form_from_5x5_kernels():
         x, kernel = jnp.ones((1, 16, 16, channels)), jnp.ones((size, size, channels, 4))
         return str(jax.make_jaxpr(jax.grad(lambda x: ops.conv(x, kernel, 2, 1).sum()))(x))
 
-    with ops.implementation("windows"):
+    with ops.implementations(window_ops="windows"):
         assert "custom_vjp_call" in traced(7) and "custom_vjp_call" in traced(5)
         assert "conv_general_dilated" not in traced(3)  # im2col
         assert "conv_general_dilated" not in traced(7, channels=4)
@@ -113,7 +115,7 @@ def test_the_corrupted_half_s_image_gradient_skips_the_clean_half():
     x = jnp.concatenate([x, x[::-1] * 0.5])  # 4 images: 2 corrupted, 2 clean
     target = jax.random.normal(jax.random.PRNGKey(3), (4, 15, 15, 8))
 
-    def loss(corrupted, clean, kernel, conv=ops.conv_image):
+    def loss(corrupted, clean, kernel, conv=cpu_ops.conv_image):
         return jnp.sum(conv(jnp.concatenate([corrupted, clean]), kernel, 2, 2) * target)
 
     def compiled(fn, argnums, *args):
@@ -134,7 +136,7 @@ def test_the_corrupted_half_s_image_gradient_skips_the_clean_half():
     np.testing.assert_allclose(whole_batch(x, kernel)[0][:2], expected[0], rtol=1e-4, atol=1e-4)
     odd = x[:3]  # no halves: the whole batch's gradient at once
     _assert_same_values_and_gradients(
-        lambda x, k: ops.conv_image(x, k, 2, 2),
+        lambda x, k: cpu_ops.conv_image(x, k, 2, 2),
         lambda x, k: ops.conv_reference(x, k, 2, 2),
         odd,
         kernel,
@@ -146,7 +148,7 @@ def test_non_overlapping_convs_are_a_matrix_product_on_every_backend():
     XLA:GPU runs as a dilated convolution: the same values and gradients, no conv op."""
     x, kernel = _input_and_kernel(16, 3, (4, 4, 3, 6))
     for choice in ("windows", "xla"):  # CPU's and the accelerators' implementations
-        with ops.implementation(choice):
+        with ops.implementations(window_ops=choice):
             jaxpr = str(jax.make_jaxpr(jax.grad(lambda x: ops.conv(x, kernel, 4, 0).sum()))(x))
             assert "conv_general_dilated" not in jaxpr
             _assert_same_values_and_gradients(
@@ -155,7 +157,7 @@ def test_non_overlapping_convs_are_a_matrix_product_on_every_backend():
                 x,
                 kernel,
             )
-    with ops.implementation("xla"):  # overlapping windows stay XLA's convolution there
+    with ops.implementations(window_ops="xla"):  # overlapping windows stay XLA's conv there
         overlapping = jax.make_jaxpr(lambda x: ops.conv(x, kernel, 2, 1))(x)
         assert "conv_general_dilated" in str(overlapping)
 
@@ -186,7 +188,7 @@ def test_max_pool_as_shifted_maximum_equals_flax_max_pool(case):
     size, strides, padding, height, width = POOL_CASES[case]
     x = jax.random.normal(jax.random.PRNGKey(3), (2, height, width, 4))  # no ties
     _assert_same_values_and_gradients(
-        lambda x: ops.max_pool_windows(x, size, strides, padding),
+        lambda x: cpu_ops.max_pool_windows(x, size, strides, padding),
         lambda x: ops.max_pool_reference(x, size, strides, padding),
         x,
     )
@@ -195,18 +197,18 @@ def test_max_pool_as_shifted_maximum_equals_flax_max_pool(case):
 def test_max_pool_gives_a_tie_s_gradient_to_the_first_maximum_and_propagates_nan():
     """PyTorch's MaxPool2d: a window's gradient goes to its first maximum (row-major)."""
     x = jnp.zeros((1, 4, 4, 1)).at[0, 1, 1, 0].set(1.0).at[0, 1, 2, 0].set(1.0)
-    grad = jax.grad(lambda x: ops.max_pool_windows(x, 2, 2, 0).sum())(x)
+    grad = jax.grad(lambda x: cpu_ops.max_pool_windows(x, 2, 2, 0).sum())(x)
     expected = np.zeros((4, 4))
     expected[1, 1] = expected[1, 2] = 1.0  # each tie is in its own window
     expected[2, 0] = expected[2, 2] = 1.0  # all-zero windows: their first element
     np.testing.assert_array_equal(grad[0, :, :, 0], expected)
     tie = jnp.ones((1, 2, 2, 1))
     np.testing.assert_array_equal(
-        jax.grad(lambda x: ops.max_pool_windows(x, 2, 2, 0).sum())(tie)[0, :, :, 0],
+        jax.grad(lambda x: cpu_ops.max_pool_windows(x, 2, 2, 0).sum())(tie)[0, :, :, 0],
         [[1.0, 0.0], [0.0, 0.0]],
     )
     with_nan = jnp.zeros((1, 2, 2, 1)).at[0, 1, 0, 0].set(jnp.nan)
-    assert np.isnan(ops.max_pool_windows(with_nan, 2, 2, 0)).all()
+    assert np.isnan(cpu_ops.max_pool_windows(with_nan, 2, 2, 0)).all()
 
 
 CASES = {  # name: (channels, multiplier, kernel, strides, padding, size)
@@ -224,7 +226,7 @@ def test_shifted_products_equal_the_grouped_convolution_and_its_gradients(case):
     channels, multiplier, size, strides, padding, spatial = CASES[case]
     x, kernel = _input_and_kernel(spatial, channels, (size, size, 1, channels * multiplier))
     _assert_same_values_and_gradients(
-        lambda x, k: ops.depthwise_conv_shifted(x, k, strides, padding),
+        lambda x, k: cpu_ops.depthwise_conv_shifted(x, k, strides, padding),
         lambda x, k: ops.grouped_conv_reference(x, k, strides, padding),
         x,
         kernel,
@@ -240,7 +242,7 @@ def test_the_depthwise_kernel_gradient_of_an_odd_batch_equals_the_grouped_convol
     x = jax.random.normal(key_x, (5, spatial, spatial, channels))
     kernel = jax.random.normal(key_k, (size, size, 1, channels))
     _assert_same_values_and_gradients(
-        lambda x, k: ops.depthwise_conv_shifted(x, k, 1, padding),
+        lambda x, k: cpu_ops.depthwise_conv_shifted(x, k, 1, padding),
         lambda x, k: ops.grouped_conv_reference(x, k, 1, padding),
         x,
         kernel,
@@ -280,7 +282,7 @@ def test_the_switch_gives_the_same_model_on_both_implementations():
 
     results = {}
     for choice, batch_sum in (("windows", "pairwise"), ("xla", "xla")):
-        with ops.implementation(choice), ops.batch_sum_implementation(batch_sum):
+        with ops.implementations(window_ops=choice, batch_sum=batch_sum):
             results[choice] = jax.jit(jax.value_and_grad(loss, has_aux=True))(variables["params"])
     (_, logits_w), grads_w = results["windows"]
     (_, logits_x), grads_x = results["xla"]
@@ -301,7 +303,7 @@ def test_a_parameter_broadcast_over_the_batch_has_the_sum_as_gradient_either_way
 
     values, grads, programs = {}, {}, {}
     for choice in ("pairwise", "xla"):
-        with ops.batch_sum_implementation(choice):
+        with ops.implementations(batch_sum=choice):
             values[choice] = ops.broadcast_over_batch(shared, batch)
             grads[choice] = jax.jit(jax.grad(loss))(shared)
             programs[choice] = str(jax.make_jaxpr(jax.grad(loss))(shared))
@@ -359,7 +361,7 @@ def test_cudnn_attention_equals_the_explicit_softmax_in_bfloat16():
 
     results, programs = {}, {}
     for choice in ("explicit", "fused"):
-        with ops.attention_implementation(choice):
+        with ops.implementations(attention=choice):
             step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
             programs[choice] = step.lower(params, x).as_text()
             results[choice] = step(params, x)
@@ -372,30 +374,34 @@ def test_cudnn_attention_equals_the_explicit_softmax_in_bfloat16():
         assert np.abs(g_f - g_e).max() <= 0.05 * np.abs(g_e).max() + 1e-6
 
 
-def test_an_unknown_implementation_is_refused():
+def test_an_unknown_choice_or_value_is_refused_naming_the_known_ones():
     with pytest.raises(ValueError, match="not one of .*: pass one of them"):
-        with ops.implementation("cudnn"):
+        with ops.implementations(window_ops="cudnn"):
             pass
-    with pytest.raises(ValueError, match="not one of"):
-        with ops.attention_implementation("flash"):
+    with pytest.raises(ValueError, match=r"\('auto', 'fused', 'explicit'\)"):
+        with ops.implementations(attention="flash"):
             pass
-    with pytest.raises(ValueError, match="not one of"):
-        with ops.cpu_schedule("memory"):
-            pass
-    with pytest.raises(ValueError, match="not one of"):
-        with ops.batch_sum_implementation("tree"):
+    with pytest.raises(ValueError, match="name one of window_ops, attention"):
+        with ops.implementations(schedule="memory"):
             pass
 
 
-def test_a_bad_switch_in_the_environment_fails_with_its_fix_and_no_traceback():
-    result = run_python(
-        ["-m", "rspc_jax.benchmark", "--config=configs/demo.py:smoke", "--steps=1"],
-        env_extra={"RSPC_JAX_CPU_SCHEDULE": "memory"},
-        timeout=300,
-    )
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert "RSPC_JAX_CPU_SCHEDULE='memory' is not one of" in result.stderr
-    assert "unset it" in result.stderr and "Traceback" not in result.stderr
+def test_choices_hold_inside_their_block_only_and_auto_follows_the_backend():
+    """'auto' picks the CPU forms on CPU and XLA's elsewhere; a block's choices are undone
+    when it ends, an inner block's on top of the outer's."""
+    on_cpu = jax.default_backend() == "cpu"
+    assert ops.use_window_ops() == on_cpu
+    with ops.implementations(window_ops="xla", batch_sum="xla"):
+        assert not ops.use_window_ops()
+        with ops.implementations(window_ops="windows"):
+            assert ops.use_window_ops()
+        assert not ops.use_window_ops()
+    assert ops.use_window_ops() == on_cpu
+    with ops.implementations(cpu_schedule="xla", cpu_products="xla"):
+        assert ops.compiler_options() is None
+    with ops.implementations(cpu_schedule="memory", cpu_products="onednn"):
+        options = ops.compiler_options() or {}
+        assert bool(options.get("xla_cpu_use_onednn")) == on_cpu
 
 
 def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
@@ -412,7 +418,7 @@ def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
 
     results, programs = {}, {}
     for choice in ("explicit", "fused"):
-        with ops.attention_implementation(choice):
+        with ops.implementations(attention=choice):
             for scan in (False, True):
                 step = jax.value_and_grad(functools.partial(loss, scan=scan), has_aux=True)
                 results[choice, scan] = jax.jit(step)(variables["params"])
@@ -431,7 +437,7 @@ def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
     rvt_vars = rvt.init(jax.random.PRNGKey(5), images, train=False)
     rvt_logits, rvt_programs = {}, {}
     for choice in ("explicit", "fused"):
-        with ops.attention_implementation(choice):
+        with ops.implementations(attention=choice):
             rvt_logits[choice] = rvt.apply(rvt_vars, images, train=False)
             rvt_programs[choice] = str(
                 jax.make_jaxpr(lambda v: rvt.apply(v, images, train=False))(rvt_vars)
@@ -444,10 +450,10 @@ def test_fused_attention_equals_the_explicit_softmax_and_keeps_requested_maps():
     attention_vars = attention.init(jax.random.PRNGKey(3), tokens, train=False)
     outputs = {}
     for choice in ("explicit", "fused"):
-        with ops.attention_implementation(choice):
+        with ops.implementations(attention=choice):
             outputs[choice] = attention.apply(attention_vars, tokens, train=False, bias=bias)[0]
     np.testing.assert_allclose(outputs["fused"], outputs["explicit"], rtol=1e-5, atol=1e-6)
-    with ops.attention_implementation("fused"):
+    with ops.implementations(attention="fused"):
         _, state = model.apply(
             variables, x, train=False, sow_attention=True, mutable=["intermediates"]
         )
@@ -554,7 +560,7 @@ def test_layerwise_dense_gradient_is_autodiff_s(features):
     residuals)."""
     x = jax.random.normal(jax.random.PRNGKey(0), (3, 7, 8))
     kernel = jax.random.normal(jax.random.PRNGKey(1), (8, features)) / 3
-    with ops.dense_gradient_implementation("layerwise"):
+    with ops.implementations(dense_gradient="layerwise"):
         _assert_same_values_and_gradients(ops.linear, _dense_reference, x, kernel)
         for argnums in ((0,), (1,)):
 
@@ -580,7 +586,7 @@ def test_untransposed_batched_gradient_is_autodiff_s_without_transposed_products
     k, n = widths
     a = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 6, k))
     b = jax.random.normal(jax.random.PRNGKey(1), (2, 3, k, n))
-    with ops.batched_gradient_implementation("untransposed"), ops.cpu_products("auto"):
+    with ops.implementations(batched_gradient="untransposed", cpu_products="onednn"):
         _assert_same_values_and_gradients(ops.batched_matmul, jnp.matmul, a, b)
         grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(ops.batched_matmul(a, b))), (0, 1)))
         hlo = grad.lower(a, b).compile(ops.compiler_options()).as_text()
@@ -625,7 +631,7 @@ def test_layerwise_dense_gradient_frees_each_layer_before_the_next():
         return jnp.sum(x)
 
     def compiled(choice, argnums):
-        with ops.dense_gradient_implementation(choice):
+        with ops.implementations(dense_gradient=choice):
             grad = jax.jit(jax.grad(loss, argnums))
             return grad.lower(kernels, x).compile(ops.compiler_options())
 

@@ -1,7 +1,7 @@
 """The memory planner: XLA's estimate of the step grows with the batch, the search returns the
 largest multiple of 8 that fits a budget (and the next does not), the accumulation plan
-multiplies back to the global batch, and `--memory` prints the table (where remat fits more)
-or refuses an unknown slice before compiling anything."""
+multiplies back to the global batch, and `python -m rspc_jax.plan` prints the table (where
+remat fits more) or refuses an unknown slice or variant before compiling anything."""
 
 import re
 
@@ -131,14 +131,25 @@ def test_unknown_slice_is_a_config_error_before_anything_compiles(tmp_path):
         memory_plan.print_plan(smoke_config(str(tmp_path)), ["plain"], "v4-8", 1.5, estimate)
 
 
-def test_cli_memory_prints_the_plan_without_tensorflow_and_refuses_an_unknown_slice():
-    args = ["--config=configs/demo.py:smoke", "--memory"]
-    bad = run_python(["-m", "rspc_jax.benchmark", *args, "--slices=v4-8,tpu9"], timeout=120)
+def test_variants_are_the_config_switched_to_each_step_and_unknown_ones_are_refused(tmp_path):
+    config = smoke_config(str(tmp_path))
+    assert not memory_plan.variant_config(config, "plain").rspc.enabled
+    assert memory_plan.variant_config(config, "rspc").rspc.enabled
+    trades = memory_plan.variant_config(config, "trades2")
+    assert trades.adversarial.method == "trades" and not trades.rspc.enabled
+    assert config.adversarial.method != "trades"  # a copy: the config itself is unchanged
+    with pytest.raises(ConfigError, match="unknown step variant 'plane'.*plain, rspc"):
+        memory_plan.check_variants(["rspc", "plane"])
+
+
+def test_cli_prints_the_plan_without_tensorflow_and_refuses_an_unknown_slice():
+    args = ["--config=configs/demo.py:smoke"]
+    bad = run_python(["-m", "rspc_jax.plan", *args, "--slices=v4-8,tpu9"], timeout=120)
     message = " ".join(bad.stderr.split())
     assert bad.returncode == 1 and "Traceback" not in message
     assert re.search(r"error: unknown slice 'tpu9'; .* v5e-8 \(8 x 16 GiB\)", message)
     result = run_module_without_tensorflow(
-        "rspc_jax.benchmark", [*args, "--variants=plain", "--slices=v4-8"], timeout=300
+        "rspc_jax.plan", [*args, "--variants=plain", "--slices=v4-8"], timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(

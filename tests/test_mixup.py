@@ -70,7 +70,7 @@ def test_the_rspc_train_step_with_mixing_has_no_loop_on_gpu_or_tpu(digits_data_d
     mesh = parallel.create_mesh()
     parts = setup.build(config, setup.build_model(config, spec.num_classes), spec, mesh, 20, 20)
     state = jax.eval_shape(parts.init, jax.random.PRNGKey(0))
-    with ops.implementation("xla"):
+    with ops.implementations(window_ops="xla"):
         traced = parts.train_step.trace(state, parallel.to_global(first_batches(config)[0], mesh))
     for platform in ("cuda", "tpu"):
         program = traced.lower(lowering_platforms=(platform,)).as_text(debug_info=True)

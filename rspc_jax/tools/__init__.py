@@ -1,2 +1,2 @@
-"""Tools above training and evaluation: the CLIs' shared start-up, the step and model
-benchmarks and the small-scale study."""
+"""Tools above training and evaluation: the CLIs' shared start-up and allocator choice,
+the memory planner and the small-scale study."""

@@ -1,8 +1,8 @@
 """How large a per-device micro-batch fits a device's memory, and how many gradient
 accumulation steps then reach the config's global batch on a slice (the library of
-`python -m rspc_jax.benchmark --memory`).
+`python -m rspc_jax.plan`): sizing a run for a TPU slice or GPU before renting it.
 
-The measure is XLA's memory analysis of the compiled train step (`benchmark.compiled_bytes`):
+The measure is XLA's memory analysis of the compiled train step (`compiled_bytes`):
 the step as training jits it, on a mesh of one device, lowered from abstract state so that
 nothing is allocated, with the accelerators' window ops (XLA's convolutions, not the CPU's
 im2col forms, whose gathered windows would inflate the estimate), XLA's own schedule, not
@@ -26,18 +26,17 @@ import numpy as np
 from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.models import ops
-from rspc_jax.tools import benchmark
-from rspc_jax.training import setup
+from rspc_jax.training import ablations, setup
 
 GiB = 2**30
 
-# Set before JAX starts (`--memory` does). XLA:CPU otherwise drops the optimization barriers
+# Set before JAX starts (`python -m rspc_jax.plan` does). XLA:CPU otherwise drops the optimization barriers
 # that keep rematerialised activations apart early in its pipeline (the pass named here), and
 # common-subexpression elimination then merges the recomputation back into the forward pass:
 # with remat on, the compiled step and its memory were those without (JAX's remat relies on
-# the accelerators' compilers keeping the barriers through scheduling). The other two make LLVM's code generation, which comes after the memory analysis,
-# cheaper (the tests' settings; RVT-Ti*'s estimate is the same to the byte with and without
-# them, and compiles in 32 s instead of 51 s).
+# the accelerators' compilers keeping the barriers through scheduling). The other two make
+# LLVM's code generation, which comes after the memory analysis, cheaper (the tests'
+# settings): they change the compile time, not the estimate.
 XLA_FLAGS = (
     "--xla_disable_hlo_passes=cse_barrier_expander "
     "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
@@ -79,11 +78,51 @@ def resolve_slices(names: str) -> dict:
     return {name: SLICES[name] for name in chosen}
 
 
+# The step variants besides the ablations of rspc_jax.training.ablations.
+STEP_VARIANTS = ("plain", "rspc")
+
+
+def check_variants(names: list[str], known: tuple[str, ...] = STEP_VARIANTS) -> None:
+    """Refuses a variant that is neither one of `known` nor an ablation, before any step is
+    built."""
+    choices = [*known, *sorted(ablations.ABLATIONS)]
+    for name in names:
+        if name not in choices:
+            raise ConfigError(
+                f"unknown step variant {name!r} in --variants: pass a comma-separated list of "
+                f"{', '.join(choices)}"
+            )
+
+
+def variant_config(config, name: str):
+    """A copy of `config` switched to step variant `name`: 'plain' (RSPC off), 'rspc' (on)
+    or an ablation's name."""
+    config = config.copy_and_resolve_references()
+    if name in STEP_VARIANTS:
+        config.rspc.enabled = name == "rspc"
+        return config
+    return ablations.apply(config, name)
+
+
+def compiled_bytes(compiled) -> int:
+    """XLA's estimate of one device's memory for a compiled step: arguments, outputs and
+    temporaries, less the donated buffers that outputs reuse."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return 0
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
 def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool = False) -> int:
     """XLA's memory estimate (bytes) of one device's train step of `variant` ('plain', 'rspc'
     or an ablation) at `per_device_batch` images, compiled without allocating anything. The
     state is laid out as `config` says (replicated unless the config shards it)."""
-    config = benchmark.variant_config(config, variant)
+    config = variant_config(config, variant)
     config.remat = remat
     config.grad_accum_steps = 1  # one micro-batch per compiled step
     mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), (parallel.DATA_AXIS,))
@@ -94,17 +133,14 @@ def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool
         "image": jax.ShapeDtypeStruct(image, np.float32, sharding=sharding),
         "label": jax.ShapeDtypeStruct((per_device_batch,), np.int32, sharding=sharding),
     }
-    with (
-        ops.implementation("xla"),
-        ops.cpu_schedule("xla"),
-        ops.cpu_products("xla"),
-        ops.dense_gradient_implementation("xla"),
+    with ops.implementations(
+        window_ops="xla", cpu_schedule="xla", cpu_products="xla", dense_gradient="xla"
     ):
         model = setup.build_model(config, spec.num_classes)
         parts = setup.build(config, model, spec, mesh, steps_per_epoch=1000, total_steps=1000)
         state = jax.eval_shape(parts.init, jax.random.PRNGKey(0))
         compiled = parts.train_step.lower(state, batch).compile()
-    return benchmark.compiled_bytes(compiled)
+    return compiled_bytes(compiled)
 
 
 class Fit(NamedTuple):

@@ -1,7 +1,7 @@
 """The paper's ablations (Table 3, supplementary) and the adversarial-training
 baselines (Fig. 7) as named switches on any config: each is a variant of every config
 (`configs/<base>.py:<name>`, read by `rspc_jax.training.recipes.select_variant`);
-`rspc_jax.benchmark --variants` uses them too."""
+`--variants` of `rspc_jax.plan` and `benchmarks.train_step` use them too."""
 
 
 def _rspc(**switches):
