@@ -1,4 +1,9 @@
-"""Train state, initialisation and the data-parallel RSPC / plain train step.
+"""Train state, initialisation and the data-parallel train step.
+
+The step is a shell around one objective (training/objectives.py, chosen by name from the
+settings): it splits the device's batch into micro-batches and sums their gradients, gathers
+and reduces over the devices, applies the classifier's and (when the objective trains one)
+the corruption model's optimizer, the EMA, and flags non-finite steps.
 
 Steps are written per device (`jax.shard_map`) with explicit collectives. Replicated
 parameters are `pcast` to device-varying before differentiation: under shard_map's
@@ -13,7 +18,7 @@ and updates the shards.
 from collections.abc import Callable
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -23,12 +28,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import optax
 
-from rspc_jax import rspc
 from rspc_jax.evaluation import selection
 from rspc_jax.models import ops
 from rspc_jax.parallel import DATA_AXIS, sharded_axis
-from rspc_jax.training import adversarial as adversarial_training
-from rspc_jax.training import mixup, patch_aug
+from rspc_jax.training import mixup, objectives
 
 
 @flax.struct.dataclass
@@ -133,9 +136,247 @@ def step_keys(state: TrainState):
     return jax.random.split(jax.random.fold_in(state.rng, state.step), 4)
 
 
+class DeviceKeys(NamedTuple):
+    """This step's random streams on one device. Noise, random masks and adversarial starts
+    are keyed by the example's global index, so they do not depend on how the batch is
+    split over devices and micro-batches; dropout and patch augmentation are folded by device."""
+
+    noise: jax.Array
+    dropout: jax.Array
+    select: jax.Array
+    aug_noise: jax.Array  # the occlusion noise of patch augmentation's pass
+    aug: jax.Array  # patch augmentation's draws and its pass's dropout
+
+
+def _device_keys(state: TrainState, device) -> tuple[DeviceKeys, jax.Array]:
+    """(this device's keys, its mixup key)."""
+    noise_rng, dropout_rng, mix_rng, select_rng = step_keys(state)
+    # Folded from the step key rather than split off it, so that adding this stream left
+    # the other keys (and every earlier run) unchanged.
+    aug_noise_rng, aug_rng = jax.random.split(
+        jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
+    )
+    keys = DeviceKeys(
+        noise=noise_rng,
+        dropout=jax.random.fold_in(dropout_rng, device),
+        select=select_rng,
+        aug_noise=aug_noise_rng,
+        aug=jax.random.fold_in(aug_rng, device),
+    )
+    return keys, jax.random.fold_in(mix_rng, device)
+
+
+def _micro_batch_keys(keys: DeviceKeys, index, count: int):
+    """(the model's rngs, patch augmentation's key) of micro-batch `index` of `count`."""
+    if count == 1:
+        return {"dropout": keys.dropout}, keys.aug
+    return {"dropout": jax.random.fold_in(keys.dropout, index)}, jax.random.fold_in(keys.aug, index)
+
+
 def _micro_batches(tree, count: int):
     """Splits the leading (example) axis of every leaf into `count` consecutive slices."""
     return jax.tree.map(lambda x: x.reshape((count, x.shape[0] // count) + x.shape[1:]), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    """What every micro-batch of one device's step shares."""
+
+    objective: objectives.Objective
+    model: Any
+    corruption_model: Any
+    settings: StepSettings
+    step: jax.Array
+    keys: DeviceKeys
+    share: Any  # this device's (and micro-batch's) share of the global-mean loss
+    params: Any  # whole and device-varying
+    corruption_params: Any
+
+
+def _differentiated(loss, ctx, batch_stats, images, noise_rng, rngs, share):
+    """(params, corruption_params, mask_probe) -> (share * loss, (loss, aux)); the loss a
+    wrapper adds (aux['added_loss']) counts in the gradient only."""
+
+    def scaled(params, corruption_params, mask_probe):
+        value, aux = loss(
+            ctx, params, corruption_params, mask_probe, batch_stats, images, noise_rng, rngs
+        )
+        return (value + aux.get("added_loss", 0.0)) * share, (value, aux)
+
+    return scaled
+
+
+def _value_and_grads(objective: objectives.Objective, scaled, ctx, frame: _Frame, images):
+    """((loss, aux), (classifier's, C's and the mask probe's gradients)) of `scaled`, by
+    the objective's differentiable inputs."""
+    if objective.extra_inputs is None:
+        (_, (value, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(frame.params, {}, None)
+        return (value, aux), (grads, {}, None)
+    extra = _varying(objective.extra_inputs(ctx, frame.corruption_params, images))
+    (_, (value, aux)), grads = jax.value_and_grad(scaled, argnums=(0, 1, 2), has_aux=True)(
+        frame.params, *extra
+    )
+    return (value, aux), grads
+
+
+def _micro_batch_grads(frame: _Frame, batch_stats, micro, index):
+    """(gradients of the classifier and of C, new BatchNorm statistics, metrics, chosen
+    masks) of one micro-batch."""
+    images, targets, settings = micro["image"], micro["target"], frame.settings
+    rngs, aug_key = _micro_batch_keys(frame.keys, index, settings.grad_accum_steps)
+    ctx = objectives.Context(
+        model=frame.model,
+        corruption_model=frame.corruption_model,
+        settings=settings,
+        step=frame.step,
+        select_rng=frame.keys.select,
+        targets=targets,
+        example_ids=micro["id"],
+    )
+    loss = frame.objective.loss
+    if settings.patch_aug != "off":
+        loss = objectives.with_patch_aug(loss, settings.patch_aug, aug_key, frame.keys.aug_noise)
+    scaled = _differentiated(loss, ctx, batch_stats, images, frame.keys.noise, rngs, frame.share)
+    (value, aux), grads = _value_and_grads(frame.objective, scaled, ctx, frame, images)
+    metrics, chosen = frame.objective.metrics(ctx, images, aux, grads[2])
+    accuracy = jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1))
+    metrics.update(loss=value, ce=aux["ce"], train_accuracy=accuracy)
+    return grads[:2], aux["batch_stats"], metrics, chosen
+
+
+def _accumulated_grads(frame: _Frame, batch_stats, device_batch):
+    """`_micro_batch_grads` over the device's batch in config.grad_accum_steps micro-batches:
+    one compiled loop in which gradients are summed, BatchNorm statistics are those of each
+    micro-batch (the running averages see each in turn), and every metric is the mean over
+    micro-batches (each of equal size)."""
+    count = frame.settings.grad_accum_steps
+    if count == 1:
+        return _micro_batch_grads(frame, batch_stats, device_batch, 0)
+
+    def accumulate(carry, micro):
+        grad_sums, batch_stats = carry
+        grads, batch_stats, metrics, chosen = _micro_batch_grads(
+            frame, batch_stats, micro["batch"], micro["index"]
+        )
+        return (jax.tree.map(jnp.add, grad_sums, grads), batch_stats), (metrics, chosen)
+
+    zeros = jax.tree.map(jnp.zeros_like, (frame.params, _varying(frame.corruption_params)))
+    micro_batches = dict(batch=_micro_batches(device_batch, count), index=jnp.arange(count))
+    (grads, batch_stats), (metrics, chosen) = jax.lax.scan(
+        accumulate, (zeros, _varying(batch_stats)), micro_batches
+    )
+    metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+    local_batch = device_batch["image"].shape[0]
+    chosen = jax.tree.map(lambda c: c.reshape((local_batch,) + c.shape[2:]), chosen)
+    return grads, batch_stats, metrics, chosen
+
+
+def _varying(tree):
+    return jax.lax.pcast(tree, DATA_AXIS, to="varying")
+
+
+def _classifier_update(tx, state: TrainState, grads, param_specs):
+    """(params, optimizer state, gradient norm) after the devices' gradients are summed."""
+    grads = _sum_over_devices(grads, param_specs)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates), opt_state, _global_norm(grads, param_specs)
+
+
+def _corruption_update(corruption_tx, state: TrainState, grads):
+    """(C's params, its optimizer state, gradient norm) after the devices' gradients are summed."""
+    grads = jax.lax.psum(grads, DATA_AXIS)
+    updates, opt_state = corruption_tx.update(
+        grads, state.corruption_opt_state, state.corruption_params
+    )
+    return optax.apply_updates(state.corruption_params, updates), opt_state, optax.tree.norm(grads)
+
+
+def _ema_update(decay: float, state: TrainState, params, batch_stats):
+    """timm's ModelEmaV2: every parameter and (with ema_batch_stats) every buffer."""
+    if decay <= 0:
+        return state.ema_params, state.ema_batch_stats
+
+    def average(ema, new):
+        return jax.tree.map(lambda e, p: decay * e + (1.0 - decay) * p, ema, new)
+
+    ema_batch_stats = state.ema_batch_stats
+    if ema_batch_stats:
+        ema_batch_stats = average(ema_batch_stats, batch_stats)
+    return average(state.ema_params, params), ema_batch_stats
+
+
+def _updated_state(state, grads, batch_stats, *, tx, corruption_tx, ema_decay, param_specs):
+    """(the state after this step's updates, their metrics); `corruption_tx` None: the
+    objective trains no corruption model."""
+    params, opt_state, grad_norm = _classifier_update(tx, state, grads[0], param_specs)
+    metrics = dict(grad_norm=grad_norm)
+    corruption_params, corruption_opt_state = state.corruption_params, state.corruption_opt_state
+    if corruption_tx is not None:
+        corruption_params, corruption_opt_state, metrics["corruption_grad_norm"] = (
+            _corruption_update(corruption_tx, state, grads[1])
+        )
+    # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
+    batch_stats = jax.lax.pmean(batch_stats, DATA_AXIS)
+    ema_params, ema_batch_stats = _ema_update(ema_decay, state, params, batch_stats)
+    new_state = state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        batch_stats=batch_stats,
+        corruption_params=corruption_params,
+        corruption_opt_state=corruption_opt_state,
+        ema_params=ema_params,
+        ema_batch_stats=ema_batch_stats,
+    )
+    return new_state, metrics
+
+
+def _finite(new_state: TrainState, metrics, param_specs) -> jax.Array:
+    """False when the step's loss, gradients or results are not finite, on every device.
+
+    The loop checks the flags of every step before it saves or evaluates anything and stops
+    at the first such step, so no checkpoint holds what it produced. (The loss alone is not
+    enough: step k's loss comes from step k-1's parameters, and an overflowing update shows
+    only one step later.)"""
+    replicated_params, param_shards = _partition(new_state.params, param_specs)
+    finite = _all_finite(
+        jax.lax.psum(metrics["loss"], DATA_AXIS),
+        metrics["grad_norm"],
+        metrics.get("corruption_grad_norm", 0.0),
+        replicated_params,
+        new_state.corruption_params,
+        new_state.batch_stats,
+    )
+    if param_shards:  # each device checks its own shards; the flag must be global
+        finite &= jax.lax.pmin(_all_finite(param_shards), DATA_AXIS)
+    return finite
+
+
+def _selection_statistics(chosen) -> dict:
+    """Statistics of the chosen masks over the global batch, however it is split."""
+    chosen = jax.lax.all_gather(chosen, DATA_AXIS, tiled=True)
+    stats = selection.statistics(chosen["occluded"], chosen.get("on_object"))
+    return {f"selection_{name}": value for name, value in stats.items()}
+
+
+def _device_batch(state: TrainState, batch, settings: StepSettings):
+    """(this device's batch: images, soft targets and global example indices; its keys)."""
+    device = jax.lax.axis_index(DATA_AXIS)
+    keys, mix_rng = _device_keys(state, device)
+    # Mixup/CutMix pairs are drawn over the device's whole batch, before it is split.
+    images, targets = _targets(settings, mix_rng, batch["image"], batch["label"])
+    local_batch = images.shape[0]
+    example_ids = device * local_batch + jnp.arange(local_batch)
+    return dict(image=images, target=targets, id=example_ids), keys
+
+
+def _loss_share(settings: StepSettings):
+    """The weight of one device's micro-batch mean loss in the global-mean loss.
+
+    Each device differentiates its share of the *global* mean loss and the gradients are
+    summed, so the gradient reaching the STE clip is that of the global-batch loss and the
+    step does not depend on how many devices (or micro-batches) share the batch."""
+    return 1.0 / (jax.lax.psum(1, DATA_AXIS) * settings.grad_accum_steps)
 
 
 def _per_device_train_step(
@@ -150,274 +391,33 @@ def _per_device_train_step(
     settings: StepSettings,
     param_specs: Any,
 ):
-    device = jax.lax.axis_index(DATA_AXIS)
-    images, labels = batch["image"], batch["label"]
-    local_batch = images.shape[0]
-    noise_rng, dropout_rng, mix_rng, select_rng = step_keys(state)
-    # Mixup/CutMix pairs are drawn over the device's whole batch, before it is split.
-    images, targets = _targets(settings, jax.random.fold_in(mix_rng, device), images, labels)
-    dropout_rng = jax.random.fold_in(dropout_rng, device)
-    vary = functools.partial(jax.lax.pcast, axis_name=DATA_AXIS, to="varying")
-    # Each device differentiates its share of the *global* mean loss and the gradients
-    # are summed, so the gradient reaching the STE clip is that of the global-batch loss
-    # and the step does not depend on how many devices (or micro-batches) share the batch.
-    accum = settings.grad_accum_steps
-    share = 1.0 / (jax.lax.psum(1, DATA_AXIS) * accum)
-    # Folded from the step key rather than split off it, so that adding this stream left
-    # the other keys (and every earlier run) unchanged.
-    aug_noise_rng, aug_rng = jax.random.split(
-        jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
+    objective = objectives.get(objectives.name_of(settings))
+    device_batch, keys = _device_batch(state, batch, settings)
+    frame = _Frame(
+        objective=objective,
+        model=model,
+        corruption_model=corruption_model,
+        settings=settings,
+        step=state.step,
+        keys=keys,
+        share=_loss_share(settings),
+        params=_gather(state.params, param_specs),  # gathered once for all micro-batches
+        corruption_params=state.corruption_params,
     )
-    aug_rng = jax.random.fold_in(aug_rng, device)
-    # Noise, random masks and adversarial starts are keyed by the example's global index,
-    # so they do not depend on how the batch is split over devices and micro-batches.
-    example_ids = device * local_batch + jnp.arange(local_batch)
-    # Whole, device-varying parameters, gathered once for all micro-batches.
-    whole_params = _gather(state.params, param_specs)
-
-    def grads_of(batch_stats, micro, micro_index):
-        """(gradients, new BatchNorm statistics, metrics) of one micro-batch."""
-        images, targets, example_ids = micro["image"], micro["target"], micro["id"]
-        micro_batch = images.shape[0]
-        rngs = {"dropout": dropout_rng}
-        aug_device_rng = aug_rng
-        if accum > 1:
-            rngs = {"dropout": jax.random.fold_in(dropout_rng, micro_index)}
-            aug_device_rng = jax.random.fold_in(aug_rng, micro_index)
-        if settings.rspc_enabled:
-
-            def noise_of(rng):
-                if settings.fill != "noise":  # zeros; 'drop' never shows the filled image
-                    return jnp.zeros_like(images)
-                uniform = rspc.uniform_noise(rng, example_ids, images.shape[1:])
-                return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(
-                    settings.noise_std
-                )
-
-            num_patches = (images.shape[1] // corruption_model.patch_size) * (
-                images.shape[2] // corruption_model.patch_size
-            )
-            random_scores, sampling = None, None
-            if settings.random_selection:
-                random_scores = rspc.uniform_noise(select_rng, example_ids, (num_patches,))
-            elif settings.selection_temperature is not None:
-                gumbel = rspc.gumbel_draws(
-                    jax.random.fold_in(select_rng, 1), example_ids, num_patches
-                )
-                sampling = (gumbel, settings.selection_temperature)
-            probe = vary(jnp.zeros((micro_batch, num_patches), jnp.float32))
-            rspc_loss = functools.partial(
-                rspc.rspc_loss,
-                model=model,
-                corruption_model=corruption_model,
-                rho=settings.rho,
-                lam=settings.lam,
-                ste_clip=settings.ste_clip,
-                grad_scale=settings.corruption_grad_scale,
-                lower=settings.clamp_lower,
-                upper=settings.clamp_upper,
-                align_blocks=settings.align_blocks,
-                random_scores=random_scores,
-                sampling=sampling,
-                compute_dtype=settings.compute_dtype,
-                objective=settings.rspc_objective,
-                drop_tokens=settings.fill == "drop",
-            )
-
-            def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
-                return rspc_loss(
-                    params,
-                    corruption_params,
-                    batch_stats,
-                    images,
-                    targets,
-                    noise_of(noise_rng),
-                    rngs=rngs,
-                    mask_probe=probe,
-                )
-
-            args = (whole_params, vary(state.corruption_params), probe)
-        elif settings.adversarial is not None:
-
-            def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
-                return adversarial_training.adversarial_loss(
-                    params,
-                    batch_stats,
-                    images,
-                    targets,
-                    noise_rng,
-                    example_ids,
-                    state.step,
-                    model=model,
-                    settings=settings.adversarial,
-                    mean=settings.pixel_mean,
-                    std=settings.pixel_std,
-                    rngs=rngs,
-                    compute_dtype=settings.compute_dtype,
-                )
-
-            args = (whole_params, {}, None)
-        else:
-
-            def loss_of(params, corruption_params, batch_stats, images, noise_rng, rngs, probe):
-                return rspc.plain_loss(
-                    params,
-                    batch_stats,
-                    images,
-                    targets,
-                    model=model,
-                    rngs=rngs,
-                    compute_dtype=settings.compute_dtype,
-                )
-
-            args = (whole_params, {}, None)
-
-        def objective(params, corruption_params, probe):
-            stats, aug_loss = batch_stats, 0.0
-            if settings.patch_aug != "off":
-                # RSPC_RVT first runs the whole step on the patch-augmented batch (own mask
-                # and noise), then on the clean one; its gradients are zeroed before the
-                # update ('official': only the BatchNorm statistics keep it) or, as
-                # intended, added.
-                aug_images = patch_aug.patch_augment(
-                    aug_device_rng,
-                    images,
-                    model.patch_size,
-                    settings.clamp_lower,
-                    settings.clamp_upper,
-                )
-                aug_args = (params, corruption_params)
-                if settings.patch_aug == "official":
-                    aug_args = jax.lax.stop_gradient(aug_args)
-                aug_total, aug_aux = loss_of(
-                    *aug_args,
-                    stats,
-                    aug_images,
-                    aug_noise_rng,
-                    {"dropout": jax.random.fold_in(aug_device_rng, 1)},
-                    None,
-                )
-                stats = aug_aux["batch_stats"]
-                if settings.patch_aug == "intended":
-                    aug_loss = aug_total
-            loss, aux = loss_of(params, corruption_params, stats, images, noise_rng, rngs, probe)
-            return (loss + aug_loss) * share, (loss, aux)
-
-        argnums = (0, 1, 2) if settings.rspc_enabled else 0
-        (_, (loss, aux)), all_grads = jax.value_and_grad(objective, argnums=argnums, has_aux=True)(
-            *args
-        )
-        grads = all_grads if settings.rspc_enabled else (all_grads, {}, None)
-        metrics = dict(
-            loss=loss,
-            ce=aux["ce"],
-            train_accuracy=jnp.mean(jnp.argmax(aux["logits"], -1) == jnp.argmax(targets, -1)),
-        )
-        metrics.update({k: aux[k] for k in ("eps", "robust_kl") if k in aux})
-        chosen = {}
-        if settings.rspc_enabled:
-            # The objective C ascends besides CE: L_align, or CE on the occluded images.
-            metrics.update({k: aux[k] for k in ("align", "occluded_ce") if k in aux})
-            probe_grad = grads[2]
-            saturated = jnp.abs(probe_grad * settings.corruption_grad_scale) >= (
-                settings.ste_clip or jnp.inf
-            )
-            metrics.update(
-                occluded_fraction=1.0 - jnp.mean(aux["keep"]),
-                ste_saturated_fraction=jnp.mean(saturated),
-            )
-            # C's masks, for the statistics of its selection over the global batch; and the
-            # weight of its objective in the classifier's loss.
-            chosen["occluded"] = (1 - aux["keep"]).astype(jnp.int8)
-            if settings.object_threshold is not None:
-                pixels = images * jnp.asarray(settings.pixel_std) + jnp.asarray(settings.pixel_mean)
-                chosen["on_object"] = selection.object_patches(
-                    pixels, corruption_model.patch_size, settings.object_threshold
-                )
-            if "align" in aux:
-                metrics["weighted_align_to_ce"] = settings.lam * aux["align"] / aux["ce"]
-        return grads[:2], aux["batch_stats"], metrics, chosen
-
-    device_batch = dict(image=images, target=targets, id=example_ids)
-    if accum == 1:
-        (grads, corruption_grads), batch_stats, metrics, chosen = grads_of(
-            state.batch_stats, device_batch, 0
-        )
-    else:
-        # One compiled loop over the micro-batches: gradients are summed, BatchNorm
-        # statistics are those of each micro-batch (the running averages see each in turn),
-        # and every metric is the mean over micro-batches (each of equal size).
-        def accumulate(carry, micro):
-            grad_sums, batch_stats = carry
-            grads, batch_stats, metrics, chosen = grads_of(
-                batch_stats, micro["batch"], micro["index"]
-            )
-            return (jax.tree.map(jnp.add, grad_sums, grads), batch_stats), (metrics, chosen)
-
-        zeros = jax.tree.map(jnp.zeros_like, (whole_params, vary(state.corruption_params)))
-        micro_batches = dict(batch=_micro_batches(device_batch, accum), index=jnp.arange(accum))
-        ((grads, corruption_grads), batch_stats), (metrics, chosen) = jax.lax.scan(
-            accumulate, (zeros, vary(state.batch_stats)), micro_batches
-        )
-        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
-        chosen = jax.tree.map(lambda c: c.reshape((local_batch,) + c.shape[2:]), chosen)
-
-    grads = _sum_over_devices(grads, param_specs)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics.update(lr=schedule(state.step), grad_norm=_global_norm(grads, param_specs))
-
-    corruption_params, corruption_opt_state = state.corruption_params, state.corruption_opt_state
-    if settings.rspc_enabled:
-        corruption_grads = jax.lax.psum(corruption_grads, DATA_AXIS)
-        corruption_updates, corruption_opt_state = corruption_tx.update(
-            corruption_grads, corruption_opt_state, corruption_params
-        )
-        corruption_params = optax.apply_updates(corruption_params, corruption_updates)
-        metrics.update(corruption_grad_norm=optax.tree.norm(corruption_grads))
-
-    # Per-device BatchNorm statistics (official DDP) are averaged so the state stays replicated.
-    batch_stats = jax.lax.pmean(batch_stats, DATA_AXIS)
-    ema_params, ema_batch_stats = state.ema_params, state.ema_batch_stats
-    if settings.ema_decay > 0:
-        # timm's ModelEmaV2: every parameter and (with ema_batch_stats) every buffer.
-        def average(ema, new):
-            return jax.tree.map(
-                lambda e, p: settings.ema_decay * e + (1.0 - settings.ema_decay) * p, ema, new
-            )
-
-        ema_params = average(ema_params, params)
-        if ema_batch_stats:
-            ema_batch_stats = average(ema_batch_stats, batch_stats)
-    new_state = state.replace(
-        step=state.step + 1,
-        params=params,
-        opt_state=opt_state,
-        batch_stats=batch_stats,
-        corruption_params=corruption_params,
-        corruption_opt_state=corruption_opt_state,
-        ema_params=ema_params,
-        ema_batch_stats=ema_batch_stats,
+    grads, batch_stats, metrics, chosen = _accumulated_grads(frame, state.batch_stats, device_batch)
+    new_state, update_metrics = _updated_state(
+        state,
+        grads,
+        batch_stats,
+        tx=tx,
+        corruption_tx=None if objective.extra_inputs is None else corruption_tx,
+        ema_decay=settings.ema_decay,
+        param_specs=param_specs,
     )
-    # Flags a step whose loss, gradients or results are not finite; the loop checks the flags
-    # of every step before it saves or evaluates anything and stops at the first one, so no
-    # checkpoint holds what such a step produced. (The loss alone is not enough: step k's loss
-    # comes from step k-1's parameters, and an overflowing update shows only one step later.)
-    replicated_params, param_shards = _partition(new_state.params, param_specs)
-    finite = _all_finite(
-        jax.lax.psum(metrics["loss"], DATA_AXIS),
-        metrics["grad_norm"],
-        metrics.get("corruption_grad_norm", 0.0),
-        replicated_params,
-        new_state.corruption_params,
-        new_state.batch_stats,
-    )
-    if param_shards:  # each device checks its own shards; the flag must be global
-        finite &= jax.lax.pmin(_all_finite(param_shards), DATA_AXIS)
-    if chosen:  # over the global batch, however it is split
-        chosen = jax.lax.all_gather(chosen, DATA_AXIS, tiled=True)
-        stats = selection.statistics(chosen["occluded"], chosen.get("on_object"))
-        metrics.update({f"selection_{name}": value for name, value in stats.items()})
+    metrics.update(update_metrics, lr=schedule(state.step))
+    finite = _finite(new_state, metrics, param_specs)
+    if chosen:
+        metrics.update(_selection_statistics(chosen))
     metrics = jax.lax.pmean(metrics, DATA_AXIS)
     metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
     return new_state, metrics
@@ -494,7 +494,7 @@ def make_train_step(mesh: Mesh, state_specs: TrainState, steps: int = 1, **kwarg
 def _in_sequence(train_step: Callable) -> Callable:
     """(state, tuple of batches) -> (state, metrics stacked over the steps): one lax.scan,
     so one dispatch for all, and XLA:CPU maps the step's temporaries once per call rather
-    than once per step (docs/speed.md)."""
+    than once per step."""
 
     def train_steps(state, batches):
         return jax.lax.scan(train_step, state, jax.tree.map(lambda *b: jnp.stack(b), *batches))
