@@ -23,8 +23,8 @@ prints the median time ratio and both peak memories. `--compare_command` does th
 any reference step, e.g. the official RVT code's (benchmarks/official_step.py):
 
     python -m benchmarks.train_step --config=configs/rvt_ti.py --config.patch_aug=off --batch=8 \
-        --steps=5 --compare_command=plain='python time_official.py plain {steps}' \
-        --compare_command=rspc='python time_official.py rspc {steps}'
+        --steps=5 --compare_command="plain=python benchmarks/official_step.py plain {steps}" \
+        --compare_command="rspc=python benchmarks/official_step.py rspc {steps}"
 
 `--interleave` alternates our variants alone in the same way and prints their medians over
 all rounds against the first variant, with rspc / plain, rspc / plain_2x and plain_2x /
