@@ -143,3 +143,41 @@ def test_with_tcmalloc_each_call_gives_its_temporaries_back_before_the_next():
     temp_bytes, excess = map(int, result.stdout.split())
     assert temp_bytes >= 256 * _MIB, temp_bytes
     assert excess <= temp_bytes // 2, (temp_bytes, excess)
+
+
+def test_the_loops_hook_compiles_releases_then_waits_for_the_largest_temporaries(monkeypatch):
+    """StepMemory.compiled_ahead compiles every lowered program before anything is released;
+    each step call then waits for the largest program's temporaries where the calls block
+    on their outputs, and for none where they do not."""
+    events = []
+
+    class Lowered:
+        def __init__(self, temp_bytes):
+            self.temp_bytes = temp_bytes
+
+        def compile(self):
+            events.append(("compile", self.temp_bytes))
+            return self
+
+    @contextlib.contextmanager
+    def temporaries_returned(temp_bytes):
+        events.append(("wait", temp_bytes))
+        yield
+
+    monkeypatch.setattr(host_memory, "host_temporary_bytes", lambda program: program.temp_bytes)
+    monkeypatch.setattr(host_memory, "release_freed_memory", lambda: events.append("release"))
+    monkeypatch.setattr(host_memory, "temporaries_returned", temporaries_returned)
+    for calls_block, waited in ((True, 300 * _MIB), (False, 0)):
+        events.clear()
+        programs = [Lowered(100 * _MIB), Lowered(300 * _MIB)]
+        memory = host_memory.StepMemory.compiled_ahead(programs, calls_block=calls_block)
+        with memory.step_call():
+            pass
+        memory.release()
+        assert events == [
+            ("compile", 100 * _MIB),
+            ("compile", 300 * _MIB),
+            "release",
+            ("wait", waited),
+            "release",
+        ]

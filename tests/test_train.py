@@ -367,7 +367,7 @@ def test_on_cpu_the_train_step_runs_onednn_s_products_which_agree_to_float32_rou
 ):
     """oneDNN's products (`ops.compiler_options`, the default on CPU; the suite runs with
     jaxlib's, tests/conftest.py) reach the compile of the RSPC step, each product alone (its
-    fused form crashes XLA:CPU, docs/speed.md), and the step's new state and metrics agree
+    fused form crashes XLA:CPU), and the step's new state and metrics agree
     with jaxlib's default products to float32 rounding."""
     results = _rspc_step_both_ways(digits_data_dir, "cpu_products", "onednn")
     fusions = {

@@ -2,16 +2,16 @@
 
 Compiling leaves memory behind: XLA's compiler threads free what they used, but the allocator
 keeps it (glibc in its per-thread arenas, tcmalloc in its page heap), so the train step's
-buffers, allocated next, come on top of it: 0.3 GB for DeiT-S and 0.85 GB for RVT-Ti* in the
-process's peak on CPU with glibc (docs/speed.md, "CPU: host memory of one step").
+buffers, allocated next, would come on top of it in the process's peak.
 
-A step's temporaries come back late: XLA:CPU frees them on a runtime thread milliseconds after
-the step's outputs are ready. A next step that starts first takes a second block, and tcmalloc
+A step's temporaries come back late: XLA:CPU frees them on a runtime thread just after the
+step's outputs are ready. A next step that starts first takes a second block, and tcmalloc
 (which the tools preload, rspc_jax.tools.allocator) keeps both for good: one more step's
-temporaries in the process (DeiT-S, batch 8: 0.8 GB; docs/speed.md, "CPU: tcmalloc
-(2026-11-29)").
+temporaries in the process.
 
-No library exposes either allocator's calls, hence ctypes.
+`StepMemory`, at the end, is what the training loop does about both; the functions before it
+are its parts, which the benchmarks also use on their own. No library exposes either
+allocator's calls, hence ctypes.
 """
 
 import contextlib
@@ -81,3 +81,33 @@ def host_temporary_bytes(compiled) -> int:
     if jax.devices()[0].platform != "cpu" or analysis is None:
         return 0
     return analysis.temp_size_in_bytes
+
+
+class StepMemory:
+    """The training loop's one hook into host memory, made once before the first step by
+    `compiled_ahead`: each step call runs in `step_call()`, and `release()` follows each
+    evaluation (the first one compiles the eval steps)."""
+
+    def __init__(self, temp_bytes: int):
+        self._temp_bytes = temp_bytes
+
+    @classmethod
+    def compiled_ahead(cls, lowered: list, *, calls_block: bool) -> "StepMemory":
+        """Compiles the lowered step programs before the first step runs (which then finds
+        them cached) and returns the compiler's freed memory to the OS before the step's
+        buffers are allocated. Where the step calls block on their outputs
+        (`calls_block`), each then waits for the largest program's temporaries."""
+        programs = [program.compile() for program in lowered]
+        temp_bytes = max(map(host_temporary_bytes, programs))
+        del programs
+        release_freed_memory()
+        return cls(temp_bytes if calls_block else 0)
+
+    def step_call(self):
+        """A context for one call of the step that blocks on its outputs: see
+        `temporaries_returned`."""
+        return temporaries_returned(self._temp_bytes)
+
+    def release(self) -> None:
+        """Returns what the allocator freed to the OS (`release_freed_memory`)."""
+        release_freed_memory()

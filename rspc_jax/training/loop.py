@@ -1,14 +1,15 @@
 """The training loop: config -> state -> steps, evaluation, metrics, checkpoints, resume."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 import contextlib
-import functools
+import dataclasses
 import itertools
 import json
 import os
 import re
 import signal
 import threading
+from typing import NamedTuple
 import uuid
 
 from absl import logging
@@ -287,43 +288,100 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
     spec = datasets.dataset_spec(config.dataset)
     model = setup.build_model(config, spec.num_classes)
     setup.check_model_fits(config, model)
-    train_split = config.train_split or spec.train_split
-    # Fails with preparation instructions if the dataset is missing.
-    num_train = records.num_examples(
-        dataset=config.dataset, data_dir=config.data_dir, split=train_split
-    )
-    steps_per_epoch = max(num_train // config.batch_size, 1)
-    total_steps = config.total_steps or int(config.num_epochs * steps_per_epoch)
-    eval_every = config.eval_every_steps or steps_per_epoch
-
+    schedule = _schedule(config, spec)
     mesh = parallel.create_mesh()
-    parts = setup.build(config, model, spec, mesh, steps_per_epoch, total_steps)
+    parts = setup.build(config, model, spec, mesh, schedule.steps_per_epoch, schedule.total_steps)
     state = parts.init(jax.random.PRNGKey(config.seed))
-
     ckpt = checkpointing.Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
     )
-    meta = dict(
+    meta = _checkpoint_meta(config)
+    start_step, state = _restore_or_initialize(config, state, ckpt, meta, mesh, schedule)
+    if jax.process_index() == 0:
+        checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
+    best = BestKeeper(workdir, config, meta) if config.keep_best else None
+    # Records of steps after the restored checkpoint (the killed run's) are dropped.
+    logger = metrics_lib.MetricsLogger(workdir, schedule.total_steps, config.batch_size, start_step)
+    _log_start(config, logger, state, schedule.total_steps)
+    run = _Run(
+        config=config,
+        schedule=schedule,
+        start_step=start_step,
+        parts=parts,
+        batches=_train_batches(config, schedule.train_split, start_step, mesh),
+        evaluate=_evaluator(config, model, mesh, logger, best),
+        ckpt=ckpt,
+        meta=meta,
+        logger=logger,
+        lock=lock,
+    )
+    try:
+        if start_step < schedule.total_steps:
+            state, step, final = _train(run, state, should_stop)
+        else:  # a finished run: its last state is evaluated again
+            step, final = start_step, run.evaluate(start_step, state)
+    finally:
+        ckpt.close()  # waits for the save in flight and raises if it failed
+        if best is not None:
+            best.close()
+        logger.close()
+    if step == schedule.total_steps and jax.process_index() == 0:
+        _log_done(run, final, workdir)
+    return dict(state=state, step=step, total_steps=schedule.total_steps, **final)
+
+
+def _checkpoint_meta(config) -> dict:
+    """What a checkpoint records of the config (a resume checks that it matches)."""
+    return dict(
         model_name=config.model_name,
         dataset=config.dataset,
         image_size=config.image_size,
         rspc_enabled=config.rspc.enabled,
     )
-    start_step = 0
-    restored = ckpt.restore_latest(state, meta)  # skips (and moves aside) unreadable steps
+
+
+class _Schedule(NamedTuple):
+    """How many steps the run takes and which of them evaluate."""
+
+    train_split: str
+    steps_per_epoch: int
+    total_steps: int
+    eval_every: int
+
+
+def _schedule(config, spec) -> _Schedule:
+    """The run's steps from the config and the size of the training split (which fails with
+    preparation instructions if the dataset is missing)."""
+    train_split = config.train_split or spec.train_split
+    num_train = records.num_examples(
+        dataset=config.dataset, data_dir=config.data_dir, split=train_split
+    )
+    steps_per_epoch = max(num_train // config.batch_size, 1)
+    return _Schedule(
+        train_split=train_split,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=config.total_steps or int(config.num_epochs * steps_per_epoch),
+        eval_every=config.eval_every_steps or steps_per_epoch,
+    )
+
+
+def _restore_or_initialize(config, state, ckpt, meta: dict, mesh, schedule: _Schedule):
+    """(start step, state): the workdir's newest readable checkpoint (unreadable steps are
+    skipped and moved aside), else `config.init_from`, else the fresh `state` at step 0."""
+    restored = ckpt.restore_latest(state, meta)
     if restored is not None:
         start_step, state = restored
         logging.info(
-            f"Resumed from {ckpt.directory}/{start_step} (step {start_step}/{total_steps})"
+            f"Resumed from {ckpt.directory}/{start_step} (step {start_step}/{schedule.total_steps})"
         )
-    elif config.init_from:
+        return start_step, state
+    if config.init_from:
         state = initialize_from_checkpoint(config, state, mesh)
-    if jax.process_index() == 0:
-        checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
-    best = BestKeeper(workdir, config, meta) if config.keep_best else None
+    return 0, state
 
-    # Records of steps after the restored checkpoint (the killed run's) are dropped.
-    logger = metrics_lib.MetricsLogger(workdir, total_steps, config.batch_size, start_step)
+
+def _log_start(config, logger, state, total_steps: int) -> None:
+    """The config as hyperparameters of the run's records, and one line about the run."""
     logger.write_hparams(
         {k: v for k, v in _flat(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
     )
@@ -335,21 +393,16 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
         f"of {config.batch_size} images"
     )
 
-    train_step, train_steps = parts.train_step, parts.train_steps
-    is_steady = functools.partial(
-        _is_steady,
-        first=start_step + 1,
-        last=total_steps,
-        every=(config.log_every_steps, eval_every, config.checkpoint_every_steps),
-    )
-    local_batch = config.batch_size // jax.process_count()
-    train_batches = parallel.prefetch_to_mesh(
+
+def _train_batches(config, train_split: str, start_step: int, mesh):
+    """This host's share of the training batches from `start_step` on, on the mesh."""
+    return parallel.prefetch_to_mesh(
         train_data.train_iterator(
             dataset=config.dataset,
             data_dir=config.data_dir,
             split=train_split,
             image_size=config.image_size,
-            local_batch_size=local_batch,
+            local_batch_size=config.batch_size // jax.process_count(),
             seed=config.seed,
             start_step=start_step,
             augment=config.augment,
@@ -363,15 +416,20 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
         ),
         mesh,
     )
-    # Every eval example once, in batches of config.eval_batch_size, as training computes.
-    eval_settings = ml_collections.ConfigDict(
+
+
+def _evaluator(config, model, mesh, logger, best) -> Callable:
+    """`evaluate(step, state)`: the clean suite on every eval example once, in batches of
+    config.eval_batch_size, for the classifier and its EMA; writes the records, offers the
+    result to `best`, and returns {'eval': ..., 'eval_ema': ...}."""
+    settings = ml_collections.ConfigDict(
         dict(config.evaluation.to_dict(), num_examples=0, batch_size=0)
     )
-    eval_ctx = run_suites.build_context(
-        config, model, settings=eval_settings, mesh=mesh, compute_dtype=setup.compute_dtype(config)
+    ctx = run_suites.build_context(
+        config, model, settings=settings, mesh=mesh, compute_dtype=setup.compute_dtype(config)
     )
 
-    def run_eval(step):
+    def evaluate(step: int, state) -> dict:
         results = {}
         for name, params, batch_stats in (
             ("eval", state.params, state.batch_stats),
@@ -380,98 +438,183 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
             if params:
                 # Whole parameters once per evaluation, not per batch (FSDP shards them).
                 params = jax.device_put(params, parallel.replicated(mesh))
-                results[name] = _clean_eval(eval_ctx, params, batch_stats, config.eval_fgsm_eps)
+                results[name] = _clean_eval(ctx, params, batch_stats, config.eval_fgsm_eps)
                 logger.write(step, results[name], name)
         if best is not None:
             best.update(step, state, results["eval"])
         return results
 
-    block = config.block_each_step == "yes" or (
-        config.block_each_step == "auto" and jax.devices()[0].platform == "cpu"
-    )
-    stop = StopRequest()
-    pending, pending_start = [], start_step
-    step = start_step
-    final = run_eval(step) if step >= total_steps else {}
-    try:
-        temp_bytes = 0  # the largest step program's temporaries
-        if step < total_steps:
-            # Compiled before the first step runs (which then finds it cached), so that the
-            # compiler's freed memory is returned before the step's buffers are allocated.
-            first_batch = next(train_batches)
-            programs = [train_step.lower(state, first_batch).compile()]
-            if train_steps is not None:
-                in_sequence = (first_batch,) * config.steps_per_call
-                programs.append(train_steps.lower(state, in_sequence).compile())
-            temp_bytes = max(map(host_memory.host_temporary_bytes, programs))
-            del programs
-            host_memory.release_freed_memory()
-            train_batches = itertools.chain([first_batch], train_batches)
-        with stop.installed():
-            while step < total_steps:
-                # A failed background save stops the run here, at once on one host; hosts
-                # agree at log steps (where they wait for the save) so that all stop together.
-                if jax.process_count() == 1 or step % config.log_every_steps == 0:
-                    ckpt.check(wait=jax.process_count() > 1)
-                # Steady steps (see `_is_steady`) go config.steps_per_call to a call.
-                together = range(step + 1, step + config.steps_per_call + 1)
-                several = train_steps is not None and all(map(is_steady, together))
-                count = len(together) if several else 1
-                steady = is_steady(step + count)  # a call of several holds only steady steps
-                step += count
-                last = step == total_steps
-                log_step = step % config.log_every_steps == 0 or last
-                with jax.transfer_guard(config.transfer_guard if steady else "allow"):
-                    with host_memory.temporaries_returned(temp_bytes if block else 0):
-                        if count > 1:
-                            batches = tuple(next(train_batches) for _ in range(count))
-                            state, step_metrics = train_steps(state, batches)
-                        else:
-                            state, step_metrics = train_step(state, next(train_batches))
-                        pending.append(step_metrics)
-                        if block:  # queued collectives deadlock on few-core CPUs
-                            jax.block_until_ready(step_metrics)
-                    requested = stop(step) or (should_stop is not None and should_stop(step))
-                    stopping = _agree(requested) if log_step or jax.process_count() == 1 else False
-                save = last or stopping or step % config.checkpoint_every_steps == 0
-                if step == start_step + 1:
-                    jax.block_until_ready(step_metrics)
-                    logger.start_timer(step)  # throughput without compilation
-                evaluate = step % eval_every == 0 or last
-                if step % config.log_every_steps == 0 or save or evaluate:
-                    # Also checks every pending step for non-finite numbers before any save
-                    # (or eval, which may keep the best state).
-                    logger.write(step, metrics_lib.mean_and_check(pending, pending_start), "train")
-                    pending, pending_start = [], step
-                    if lock is not None:
-                        lock.check()  # another run took the workdir over: stop before saving
-                if evaluate:
-                    final = run_eval(step)
-                    host_memory.release_freed_memory()  # the first one compiles the eval steps
-                    logger.start_timer(step)
-                if save:
-                    ckpt.save(step, state, meta)
-                    logging.info(f"Saving checkpoint {ckpt.directory}/{step}")
-                if stopping and not last:
-                    ckpt.wait_until_finished()
-                    logging.info(
-                        f"Stopped at step {step}: checkpoint saved in {ckpt.directory}; rerun the "
-                        "same command to resume."
-                    )
-                    break
-    finally:
-        ckpt.close()  # waits for the save in flight and raises if it failed
-        if best is not None:
-            best.close()
-        logger.close()
-    if step == total_steps and jax.process_index() == 0:
-        acc = final.get("eval", {}).get("accuracy")
-        logging.info(
-            f"Done: {total_steps} steps; test accuracy {acc:.4f}. Metrics: "
-            f"{logger.jsonl_path} and TensorBoard events in {workdir}; checkpoints: "
-            f"{ckpt.directory}"
+    return evaluate
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What stays the same through a run's steps."""
+
+    config: ml_collections.ConfigDict
+    schedule: _Schedule
+    start_step: int  # the restored checkpoint's step, 0 for a new run
+    parts: setup.Parts  # the compiled step (and several-step call) and the state's init
+    batches: Iterator  # training batches from start_step on, on the mesh
+    evaluate: Callable  # (step, state) -> eval results, see `_evaluator`
+    ckpt: checkpointing.Checkpointer
+    meta: dict  # what a checkpoint records of the config
+    logger: metrics_lib.MetricsLogger
+    lock: workdir_lock.WorkdirLock | None  # process 0's hold on the workdir
+
+    @property
+    def blocks(self) -> bool:
+        """Whether each step call blocks on its outputs: on CPU by default, where queued
+        collectives deadlock on few cores."""
+        choice = self.config.block_each_step
+        return choice == "yes" or (choice == "auto" and jax.devices()[0].platform == "cpu")
+
+    def is_steady(self, step: int) -> bool:
+        return _is_steady(
+            step,
+            first=self.start_step + 1,
+            last=self.schedule.total_steps,
+            every=(
+                self.config.log_every_steps,
+                self.schedule.eval_every,
+                self.config.checkpoint_every_steps,
+            ),
         )
-    return dict(state=state, step=step, total_steps=total_steps, **final)
+
+
+def _train(run: _Run, state, should_stop) -> tuple:
+    """Steps from `run.start_step` to the end of the schedule or a stop request (SIGTERM,
+    SIGINT, `should_stop`), with the records, evaluations and checkpoints of the steps
+    where they fall. Returns (state, step reached, last evaluation)."""
+    config, step, final = run.config, run.start_step, {}
+    batches, memory = _compiled_ahead(run, state)
+    pending = _PendingMetrics(step)
+    stop = StopRequest()
+    with stop.installed():
+        while step < run.schedule.total_steps:
+            _check_saves(run, step)
+            count = _steps_in_next_call(run, step)
+            steady = run.is_steady(step + count)  # a call of several holds only steady steps
+            step += count
+            last = step == run.schedule.total_steps
+            with jax.transfer_guard(config.transfer_guard if steady else "allow"):
+                state, step_metrics = _call_step(run, state, count, batches, memory)
+                requested = stop(step) or (should_stop is not None and should_stop(step))
+                stopping = _stop_agreed(run, step, last, requested)
+            pending.add(step_metrics)
+            if step == run.start_step + 1:
+                jax.block_until_ready(step_metrics)
+                run.logger.start_timer(step)  # throughput without compilation
+            evaluated = _records_and_saves(run, state, step, last, stopping, pending, memory)
+            if evaluated is not None:
+                final = evaluated
+            if stopping and not last:
+                _stop_saved(run, step)
+                break
+    return state, step, final
+
+
+def _compiled_ahead(run: _Run, state) -> tuple:
+    """(the training batches, the loop's host-memory hook): the step programs compiled on
+    the first batch, which goes back in front of the batches."""
+    first_batch = next(run.batches)
+    lowered = [run.parts.train_step.lower(state, first_batch)]
+    if run.parts.train_steps is not None:
+        in_sequence = (first_batch,) * run.config.steps_per_call
+        lowered.append(run.parts.train_steps.lower(state, in_sequence))
+    memory = host_memory.StepMemory.compiled_ahead(lowered, calls_block=run.blocks)
+    return itertools.chain([first_batch], run.batches), memory
+
+
+def _check_saves(run: _Run, step: int) -> None:
+    """A failed background save stops the run here, at once on one host; hosts agree at log
+    steps (where they wait for the save) so that all stop together."""
+    if jax.process_count() == 1 or step % run.config.log_every_steps == 0:
+        run.ckpt.check(wait=jax.process_count() > 1)
+
+
+def _steps_in_next_call(run: _Run, step: int) -> int:
+    """Steady steps (see `_is_steady`) go config.steps_per_call to a call, others alone."""
+    together = range(step + 1, step + run.config.steps_per_call + 1)
+    several = run.parts.train_steps is not None and all(map(run.is_steady, together))
+    return len(together) if several else 1
+
+
+def _call_step(run: _Run, state, count: int, batches, memory) -> tuple:
+    """One call of the compiled step for the next `count` batches: (state, metrics)."""
+    with memory.step_call():
+        if count > 1:
+            state, step_metrics = run.parts.train_steps(
+                state, tuple(next(batches) for _ in range(count))
+            )
+        else:
+            state, step_metrics = run.parts.train_step(state, next(batches))
+        if run.blocks:  # queued collectives deadlock on few-core CPUs
+            jax.block_until_ready(step_metrics)
+    return state, step_metrics
+
+
+def _stop_agreed(run: _Run, step: int, last: bool, requested: bool) -> bool:
+    """Whether every host stops after `step`: asked at once on one host, at log steps (and
+    the last) across hosts."""
+    log_step = step % run.config.log_every_steps == 0 or last
+    return _agree(requested) if log_step or jax.process_count() == 1 else False
+
+
+class _PendingMetrics:
+    """The metrics of the steps since the last train record."""
+
+    def __init__(self, step: int):
+        self.metrics, self.start = [], step
+
+    def add(self, step_metrics) -> None:
+        self.metrics.append(step_metrics)
+
+    def flush(self, step: int) -> dict:
+        """Their mean (checking every step for non-finite numbers); starts over after `step`."""
+        mean = metrics_lib.mean_and_check(self.metrics, self.start)
+        self.metrics, self.start = [], step
+        return mean
+
+
+def _records_and_saves(run: _Run, state, step: int, last, stopping, pending, memory):
+    """The train record, evaluation and checkpoint due after `step`; returns the evaluation's
+    results if one ran."""
+    config = run.config
+    save = last or stopping or step % config.checkpoint_every_steps == 0
+    evaluate = step % run.schedule.eval_every == 0 or last
+    if step % config.log_every_steps == 0 or save or evaluate:
+        # Checks every pending step for non-finite numbers before any save (or eval, which may
+        # keep the best state).
+        run.logger.write(step, pending.flush(step), "train")
+        if run.lock is not None:
+            run.lock.check()  # another run took the workdir over: stop before saving
+    results = None
+    if evaluate:
+        results = run.evaluate(step, state)
+        memory.release()  # the first evaluation compiles the eval steps
+        run.logger.start_timer(step)
+    if save:
+        run.ckpt.save(step, state, run.meta)
+        logging.info(f"Saving checkpoint {run.ckpt.directory}/{step}")
+    return results
+
+
+def _stop_saved(run: _Run, step: int) -> None:
+    run.ckpt.wait_until_finished()
+    logging.info(
+        f"Stopped at step {step}: checkpoint saved in {run.ckpt.directory}; rerun the same "
+        "command to resume."
+    )
+
+
+def _log_done(run: _Run, final: dict, workdir: str) -> None:
+    acc = final.get("eval", {}).get("accuracy")
+    logging.info(
+        f"Done: {run.schedule.total_steps} steps; test accuracy {acc:.4f}. Metrics: "
+        f"{run.logger.jsonl_path} and TensorBoard events in {workdir}; checkpoints: "
+        f"{run.ckpt.directory}"
+    )
 
 
 def _is_steady(step: int, *, first: int, last: int, every: tuple[int, ...]) -> bool:
