@@ -209,6 +209,13 @@ def occlude(images, pixel_keep, noise, lower=None, upper=None):
     return jnp.clip(corrupted, jnp.asarray(lower, images.dtype), jnp.asarray(upper, images.dtype))
 
 
+def occlude_with_patch_mask(images, keep, noise, patch_size: int, lower=None, upper=None):
+    """Eq. 1 with a per-patch keep-mask (B, N) over the row-major grid of `patch_size` patches."""
+    grid = (images.shape[1] // patch_size, images.shape[2] // patch_size)
+    pixel_keep = patch_mask_to_pixels(keep, grid, patch_size).astype(images.dtype)
+    return occlude(images, pixel_keep, noise, lower, upper)
+
+
 def normalized_limits(mean: Sequence[float], std: Sequence[float]):
     """Per-channel range of [0, 1] pixels after (x - mean) / std."""
     mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
@@ -297,12 +304,10 @@ def corrupt_batch(
         mask = straight_through(scores, hard, ste_clip, grad_scale)
     if mask_probe is not None:
         mask = mask + mask_probe
-    grid = (
-        images.shape[1] // corruption_model.patch_size,
-        images.shape[2] // corruption_model.patch_size,
+    corrupted = occlude_with_patch_mask(
+        images, mask, noise, corruption_model.patch_size, lower, upper
     )
-    pixel_keep = patch_mask_to_pixels(mask, grid, corruption_model.patch_size).astype(images.dtype)
-    return occlude(images, pixel_keep, noise, lower, upper), mask
+    return corrupted, mask
 
 
 def apply_model(model, params, batch_stats, images, *, compute_dtype=None, **kwargs):

@@ -49,11 +49,9 @@ def occlude_patches(
 ) -> jax.Array:
     """Eq. 1 with a given per-patch keep-mask and fresh uniform noise (training's noise
     space: (u - noise_mean) / noise_std) and clamp (None = no clamp)."""
-    grid = (images.shape[1] // patch_size, images.shape[2] // patch_size)
-    pixel_keep = rspc.patch_mask_to_pixels(keep, grid, patch_size).astype(images.dtype)
     uniform = jax.random.uniform(rng, images.shape, images.dtype)
     noise = (uniform - jnp.asarray(noise_mean, images.dtype)) / jnp.asarray(noise_std, images.dtype)
-    return rspc.occlude(images, pixel_keep, noise, lower, upper)
+    return rspc.occlude_with_patch_mask(images, keep, noise, patch_size, lower, upper)
 
 
 def attention_cosine(clean: Sequence[jax.Array], occluded: Sequence[jax.Array]) -> jax.Array:
