@@ -316,19 +316,41 @@ def _copy_mask_figures(workdir: str, setting: str, learned: list, seed: int) -> 
 
 
 def write_results(records: dict, config, workdir: str, figure_paths, command: str) -> str:
+    """Writes DIR/results.md from the runs' `records` (setting -> method -> seed -> record);
+    returns its path."""
     seeds = list(config.study.seeds)
     settings = config.study.settings
     rows = {
         setting: {m: [summarise(records[setting][m][s]) for s in seeds] for m in spec.methods}
         for setting, spec in settings.items()
     }
-    seconds = [
-        records[setting][m][s]["train_seconds"] + records[setting][m][s]["eval_seconds"]
+    seconds = {
+        (setting, m, s): records[setting][m][s]["train_seconds"]
+        + records[setting][m][s]["eval_seconds"]
         for setting, spec in settings.items()
         for m in spec.methods
         for s in seeds
-    ]
+    }
     lines = [
+        *_introduction(command, seeds, seconds),
+        *_headline(rows, settings),
+        *_learned_against_random(rows, settings, seeds),
+        *_per_setting(rows, settings),
+        *_wall_clock(seconds, settings, seeds),
+        "",
+        "## Figures",
+        "",
+        *(f"![{os.path.basename(p)}]({os.path.relpath(p, workdir)})" for p in figure_paths),
+    ]
+    path = os.path.join(workdir, "results.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _introduction(command: str, seeds: list, seconds: dict) -> list[str]:
+    """The title, the command, the machine and what the columns mean."""
+    return [
         "# Small-scale study: learned against random patch selection on the digits",
         "",
         f"Command: `{command}`",
@@ -336,7 +358,7 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
         f"Hardware: {platform.machine()} CPU, {os.cpu_count()} cores; "
         f"JAX {jax.__version__} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
         f"Python {platform.python_version()}. {len(seconds)} runs; wall-clock of all runs "
-        f"(train + evaluate): {sum(seconds) / 60:.1f} min.",
+        f"(train + evaluate): {sum(seconds.values()) / 60:.1f} min.",
         "",
         f"Seeds {seeds}; every number is mean ± std over the seeds. Accuracies and Cos-Sim in "
         "percent. 'occluded': mean accuracy over the random masks of each test image; "
@@ -349,15 +371,20 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
         "frequency (1 = uniform, 0 = one mask), mean IoU of two images' masks, share of the "
         "images that get the most common mask, fraction of selected patches on the digit.",
         "",
+    ]
+
+
+def _headline(rows: dict, settings) -> list[str]:
+    """Randomly occluded accuracy of the HEADLINE methods, one column per setting."""
+    lines = [
         "## Headline: randomly occluded accuracy (%)",
         "",
-    ]
-    headline = [m for m in HEADLINE if any(m in spec.methods for spec in settings.values())]
-    lines += [
         "| method | " + " | ".join(settings) + " |",
         "|---|" + "---:|" * len(settings),
     ]
-    for method in headline:
+    for method in HEADLINE:
+        if not any(method in spec.methods for spec in settings.values()):
+            continue
         cells = [
             _cell([r["occluded"] for r in rows[s][method]], "occluded")
             if method in rows[s]
@@ -365,7 +392,12 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
             for s in settings
         ]
         lines.append(f"| {label(method)} | " + " | ".join(cells) + " |")
-    lines += [
+    return lines
+
+
+def _learned_against_random(rows: dict, settings, seeds: list) -> list[str]:
+    """Each learned method minus its random-patch twin, paired by seed."""
+    lines = [
         "",
         "## Learned against random selection (paired by seed, points)",
         "",
@@ -384,11 +416,22 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
                 f"| {setting} | {label(method)} | {_cell(differences['occluded'], 'occluded')} "
                 f"| {per_seed} | " + " | ".join(cells) + " |"
             )
+    return lines
+
+
+def _per_setting(rows: dict, settings) -> list[str]:
+    """One table per setting: every number of every method."""
+    lines = []
     for setting, spec in settings.items():
         metrics = list(dict.fromkeys(k for m in spec.methods for r in rows[setting][m] for k in r))
         lines += ["", f"## {setting}: {spec.about}", ""]
         lines += _table({label(m): rows[setting][m] for m in spec.methods}, metrics, "method")
-    lines += [
+    return lines
+
+
+def _wall_clock(seconds: dict, settings, seeds: list) -> list[str]:
+    """Train + evaluate seconds of each run."""
+    lines = [
         "",
         "## Wall-clock per run (seconds, train + evaluate)",
         "",
@@ -397,17 +440,9 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
     ]
     for setting, spec in settings.items():
         for m in spec.methods:
-            cells = [
-                f"{records[setting][m][s]['train_seconds'] + records[setting][m][s]['eval_seconds']:.0f}"
-                for s in seeds
-            ]
+            cells = [f"{seconds[setting, m, s]:.0f}" for s in seeds]
             lines.append(f"| {setting} | {label(m)} | " + " | ".join(cells) + " |")
-    lines += ["", "## Figures", ""]
-    lines += [f"![{os.path.basename(p)}]({os.path.relpath(p, workdir)})" for p in figure_paths]
-    path = os.path.join(workdir, "results.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return path
+    return lines
 
 
 def run_study(config, workdir: str, command: str) -> str:
