@@ -42,30 +42,7 @@ def time_timm_step(
     bfloat16: bool = False,
 ) -> dict:
     """Median seconds of timm's train step and this process's peak RSS (and GPU memory)."""
-
-    try:
-        import timm
-        from timm.data import Mixup
-        from timm.utils import ModelEmaV2
-        import torch
-    except ImportError as error:
-        raise SystemExit(
-            f"timm and torch are needed for the comparison ({error}); "
-            "pip install -r requirements-torch.txt"
-        ) from None
-
-    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-        choices = "--device=cpu or --device=cuda" if torch.cuda.is_available() else "--device=cpu"
-        raise SystemExit(
-            f"--device={device} is not a device torch can run on here"
-            f"{'' if torch.cuda.is_available() else ' (it sees no CUDA GPU)'}: pass {choices}"
-        )
-    if not timm.is_model(model_name):
-        raise SystemExit(
-            f"{model_name} is not a timm model, so there is no timm step to compare with; "
-            "--compare_timm covers the ViT/DeiT and XCiT configs (for RVT and FAN, time the "
-            "official code with --compare_command)"
-        )
+    torch, timm = _libraries(model_name, device)
     torch.set_num_threads(threads or timing.usable_cores())
     torch.manual_seed(0)
     model = timm.create_model(
@@ -73,7 +50,7 @@ def time_timm_step(
     )
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-    ema = ModelEmaV2(model, decay=ema_decay) if ema_decay > 0 else None
+    ema = timm.utils.ModelEmaV2(model, decay=ema_decay) if ema_decay > 0 else None
     images = torch.randn(batch, 3, image_size, image_size, device=device)
     labels = torch.randint(0, num_classes, (batch,), device=device)
     off = label_smoothing / num_classes
@@ -88,6 +65,8 @@ def time_timm_step(
     )
     mixing = mixup_alpha > 0 or cutmix_alpha > 0
     if mixing:
+        from timm.data import Mixup
+
         mix = Mixup(
             mixup_alpha=mixup_alpha,
             cutmix_alpha=cutmix_alpha,
@@ -125,6 +104,33 @@ def time_timm_step(
         mixup=mixing,
         num_parameters=sum(p.numel() for p in model.parameters()),
     )
+
+
+def _libraries(model_name: str, device: str):
+    """torch and timm, checked: both installed, `device` one torch can run on here, and
+    `model_name` one of timm's models."""
+    try:
+        import timm
+        import timm.utils
+        import torch
+    except ImportError as error:
+        raise SystemExit(
+            f"timm and torch are needed for the comparison ({error}); "
+            "pip install -r requirements-torch.txt"
+        ) from None
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        choices = "--device=cpu or --device=cuda" if torch.cuda.is_available() else "--device=cpu"
+        raise SystemExit(
+            f"--device={device} is not a device torch can run on here"
+            f"{'' if torch.cuda.is_available() else ' (it sees no CUDA GPU)'}: pass {choices}"
+        )
+    if not timm.is_model(model_name):
+        raise SystemExit(
+            f"{model_name} is not a timm model, so there is no timm step to compare with; "
+            "--compare_timm covers the ViT/DeiT and XCiT configs (for RVT and FAN, time the "
+            "official code with --compare_command)"
+        )
+    return torch, timm
 
 
 def main(argv):
