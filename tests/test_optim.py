@@ -1,9 +1,14 @@
-"""The classifier's learning-rate schedule: DeiT scaling, warm-up, cosine, cool-down."""
+"""The classifier's learning-rate schedule: DeiT scaling, warm-up, cosine, cool-down, and
+the official per-epoch stepping."""
+
+import argparse
 
 import ml_collections
 import numpy as np
+import pytest
 
-from rspc_jax.training import optim
+from rspc_jax import ConfigError
+from rspc_jax.training import checks, defaults, optim
 
 
 def _config(**overrides):
@@ -32,3 +37,70 @@ def test_without_cooldown_the_cosine_spans_every_step():
     np.testing.assert_allclose(schedule(0), 5e-4, rtol=1e-5)
     np.testing.assert_allclose(schedule(50), 1e-5 + (5e-4 - 1e-5) * 0.5, rtol=1e-5)
     assert schedule(99) > 1e-5
+
+
+def _official(**overrides):
+    return _config(schedule="official_epochs", warmup_epochs=3.0, cooldown_epochs=2.0, **overrides)
+
+
+def test_official_schedule_closed_form_per_epoch_with_the_loops_lag():
+    steps_per_epoch, epochs, batch = 4, 12, 256
+    schedule = optim.schedule_for_run(
+        _official(), batch_size=batch, steps_per_epoch=steps_per_epoch, total_steps=12 * 4
+    )
+    peak, cosine_epochs = 5e-4 * batch / 512, epochs - 2
+
+    def timm_value(t):  # CosineLRScheduler._get_lr, warmup_prefix off
+        if t < 3:
+            return 1e-6 + t * (peak - 1e-6) / 3
+        if t < cosine_epochs:
+            return 1e-5 + 0.5 * (peak - 1e-5) * (1 + np.cos(np.pi * t / cosine_epochs))
+        return 1e-5
+
+    for step in range(epochs * steps_per_epoch):
+        epoch = step // steps_per_epoch
+        np.testing.assert_allclose(schedule(step), timm_value(max(epoch - 1, 0)), rtol=1e-5)
+    # Epochs 0 and 1 both train at the warm-up's first value; the lr is constant in an epoch.
+    assert float(schedule(0)) == float(schedule(7)) == np.float32(1e-6)
+    assert float(schedule(8)) > float(schedule(7))
+
+
+def test_official_schedule_matches_timm_stepped_as_rvts_main_steps_it():
+    torch = pytest.importorskip("torch")
+    scheduler_factory = pytest.importorskip("timm.scheduler")
+    epochs, warmup, cooldown, steps_per_epoch, batch = 20, 5, 3, 3, 128
+    peak = 5e-4 * batch / 512
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak)
+    args = argparse.Namespace(
+        sched="cosine",
+        epochs=epochs - cooldown,  # timm's --epochs; it returns them plus the cool-down
+        min_lr=1e-5,
+        warmup_lr=1e-6,
+        warmup_epochs=warmup,
+        cooldown_epochs=cooldown,
+        decay_epochs=30,
+        decay_rate=0.1,
+        lr_noise=None,
+    )
+    scheduler, total_epochs = scheduler_factory.create_scheduler(args, optimizer)
+    assert total_epochs == epochs
+    ours = optim.schedule_for_run(
+        _config(schedule="official_epochs", warmup_epochs=warmup, cooldown_epochs=cooldown),
+        batch_size=batch,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=epochs * steps_per_epoch,
+    )
+    for epoch in range(total_epochs):  # RSPC_RVT/main.py's loop
+        for step in range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch):
+            np.testing.assert_allclose(ours(step), optimizer.param_groups[0]["lr"], rtol=1e-5)
+        scheduler.step(epoch)
+
+
+def test_the_schedule_switch_is_validated():
+    config = defaults.get_default_config()
+    config.optimizer.schedule = "per_epoch"
+    with pytest.raises(ConfigError, match="optimizer.schedule"):
+        checks.validate_config(config)
+    config.optimizer.schedule = "official_epochs"
+    checks.validate_config(config)

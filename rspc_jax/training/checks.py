@@ -18,6 +18,7 @@ from rspc_jax import ConfigError
 
 # Values of the string switches (rspc_jax.training.adversarial.METHODS mirrors "method").
 CHOICES = {
+    "optimizer.schedule": ("per_step", "official_epochs"),
     "rspc.ste": ("clip", "identity"),
     "rspc.noise_space": ("normalized", "pixel"),
     "rspc.clamp": ("imagenet", "dataset", "none"),

@@ -70,6 +70,10 @@ def get_default_config() -> ml_collections.ConfigDict:
             b2=0.999,
             eps=1e-8,
             weight_decay=0.05,
+            # 'per_step' (warm-up and cosine move every step) | 'official_epochs' (timm's
+            # scheduler stepped per epoch as RVT's main steps it: epoch e at lr(e - 1), for
+            # step-for-step comparisons with the official code); docs/method.md, schedule.
+            schedule="per_step",
         )
     )
     c.label_smoothing = 0.0

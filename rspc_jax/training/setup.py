@@ -185,12 +185,8 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
         else None
     )
     opt = config.optimizer
-    schedule = optim.learning_rate(
-        opt,
-        batch_size=config.batch_size,
-        total_steps=total_steps,
-        warmup_steps=int(opt.warmup_epochs * steps_per_epoch),
-        cooldown_steps=int(opt.cooldown_epochs * steps_per_epoch),
+    schedule = optim.schedule_for_run(
+        opt, batch_size=config.batch_size, steps_per_epoch=steps_per_epoch, total_steps=total_steps
     )
     abstract_params = models.abstract_variables(model, config.image_size)["params"]
     tx = optim.classifier_optimizer(opt, schedule, abstract_params, model.no_weight_decay_names)
