@@ -168,6 +168,51 @@ def test_the_library_never_imports_the_speed_laboratory():
     assert "benchmarks.train_step -> benchmarks" in laboratory  # the check sees imports
 
 
+def test_the_library_never_imports_the_official_code_scripts():
+    """reference/ runs the official PyTorch code for developers; nothing in rspc_jax/ or
+    tests/ imports it (tests read only what it wrote into tests/fixtures/)."""
+    paths = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
+    offending = sorted(
+        f"{path.relative_to(ROOT)} -> {name}"
+        for path in paths
+        for name in _imported_names(path)
+        if name == "reference" or name.startswith("reference.")
+    )
+    assert not offending, "imports of reference/:\n" + "\n".join(offending)
+
+
+# Declarations of every config field, read as a table rather than as steps.
+LONG_FUNCTIONS_ALLOWED = {("training/defaults.py", "get_default_config")}
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(path: pathlib.Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            where = (str(path.relative_to(PACKAGE)), node.name)
+            if lines > MAX_FUNCTION_LINES and where not in LONG_FUNCTIONS_ALLOWED:
+                found.append(f"{where[0]}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_every_function_fits_on_one_screen():
+    long = [entry for path in sorted(PACKAGE.rglob("*.py")) for entry in _long_functions(path)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_the_models_read_no_environment_variables():
+    """Backend choices are made in code (models/ops.py), not by variables read at import."""
+    offending = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((PACKAGE / "models").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"os\.environ|os\.getenv|getenv\(", line)
+    ]
+    assert not offending, offending
+
+
 def test_the_top_level_is_small():
     entries = sorted(
         p.stem
