@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("variant", choices=("plain", "rspc"))
     parser.add_argument("steps", type=int, help="timed steps (after one warm-up step)")
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument(
+        "--model", default=OFFICIAL["model"], help="an official RVT* model, e.g. rvt_small_plus"
+    )
     parser.add_argument("--num_classes", type=int, default=1000)
     parser.add_argument("--official_repo", type=pathlib.Path, default=os.environ.get(REPO_ENV))
     parser.add_argument("--mixup", type=float, default=OFFICIAL["mixup"], help="0: off")
@@ -101,7 +104,7 @@ class OfficialStep:
         self.args = args
         robust_models, self.utils, losses = official_modules(args.official_repo)
         device = torch.device(args.device)
-        self.model = getattr(robust_models, OFFICIAL["model"])(
+        self.model = getattr(robust_models, args.model)(
             pretrained=False,
             num_classes=args.num_classes,
             drop_rate=0.0,

@@ -10,9 +10,10 @@
 # cache), then times the rows one at a time, each loading its compiled steps from the cache.
 # The compile times of the first phase were taken side by side with the other compiles.
 # On GPUs, DeiT-S and XCiT-S12 are timed beside timm's step (`--compare_timm`, bfloat16
-# autocast on the same GPU); with OFFICIAL=/path/time_official.py, RVT-S* beside the official
-# code's step (--compare_command). Rows go in order of priority: a run that outlives its time
-# limit costs only the rows after it.
+# autocast on the same GPU); with OFFICIAL=benchmarks/official_step.py (and RSPC_OFFICIAL_REPO,
+# a checkout of guoyongcs/RSPC), RVT-S* beside the official code's float32 step
+# (--compare_command). Rows go in order of priority: a run that outlives its time limit costs
+# only the rows after it.
 #
 # BATCH (default 256) is DeiT-S's batch, BATCH_CONV (default 128) the other models';
 # STEPS (default 10) the timed steps per step kind; COMPILE_TIMEOUT (default 900 s) bounds the
@@ -36,8 +37,8 @@ BF16=--config.compute_dtype=bfloat16
 TIMM="--compare_timm --rounds=2"
 OFFICIAL_ROWS=""
 if [[ -n "${OFFICIAL:-}" ]]; then
-  OFFICIAL_ROWS="--rounds=2 --compare_command=plain='$PYTHON $OFFICIAL plain {steps} rvt_small_plus $BATCH_CONV'"
-  OFFICIAL_ROWS+=" --compare_command=rspc='$PYTHON $OFFICIAL rspc {steps} rvt_small_plus $BATCH_CONV'"
+  OFFICIAL_ROWS="--rounds=2 --compare_command=plain='$PYTHON $OFFICIAL plain {steps} --model rvt_small_plus --batch $BATCH_CONV --device cuda'"
+  OFFICIAL_ROWS+=" --compare_command=rspc='$PYTHON $OFFICIAL rspc {steps} --model rvt_small_plus --batch $BATCH_CONV --device cuda'"
 fi
 # name | implementation choices of both step kinds (@CHOICE=VALUE..., rspc_jax.models.ops) |
 # the config and its overrides | what the timed run adds

@@ -91,7 +91,7 @@ def test_accelerator_benchmark_script_compiles_every_row_then_times_each(tmp_pat
             **os.environ,
             "PYTHON": "echo",
             "BATCH": "64",
-            "OFFICIAL": "/x/time_official.py",
+            "OFFICIAL": "/x/official_step.py",
             "EXTRA_ROWS": "deit_b512||--config=configs/deit_s.py --batch=512|\n",
         },
         capture_output=True,
@@ -118,9 +118,8 @@ def test_accelerator_benchmark_script_compiles_every_row_then_times_each(tmp_pat
     assert sum("--variants=rspc@attention=explicit" in line for line in compiles) == 1
     official = timed[2]
     assert "--config=configs/rvt_s.py --batch=128" in official
-    assert "--compare_command=rspc=echo /x/time_official.py rspc {steps} rvt_small_plus 128" in (
-        official
-    )
+    reference = "echo /x/official_step.py rspc {steps} --model rvt_small_plus --batch 128"
+    assert f"--compare_command=rspc={reference} --device cuda" in official
 
 
 def test_accelerator_benchmark_script_compiles_one_at_a_time_where_asked(tmp_path):
