@@ -1,7 +1,7 @@
 """The classifier's learning-rate schedule: DeiT scaling, warm-up, cosine, cool-down, and
 the official per-epoch stepping."""
 
-import argparse
+import json
 
 import ml_collections
 import numpy as np
@@ -9,6 +9,7 @@ import pytest
 
 from rspc_jax import ConfigError
 from rspc_jax.training import checks, defaults, optim
+from tests.conftest import run_python
 
 
 def _config(**overrides):
@@ -65,36 +66,48 @@ def test_official_schedule_closed_form_per_epoch_with_the_loops_lag():
     assert float(schedule(8)) > float(schedule(7))
 
 
+# timm's learning rate of each epoch with its scheduler driven as RSPC_RVT/main.py drives it
+# (the value set at construction, then `scheduler.step(epoch)` after each epoch). Run in a fresh
+# process: timm imports torchvision, whose triton import crashes in a process that has already
+# loaded JAX and TensorFlow.
+_TIMM_EPOCH_LRS = """
+import argparse, json, sys
+import torch
+from timm import scheduler as scheduler_factory
+
+epochs, warmup, cooldown, peak = (float(a) for a in sys.argv[1:])
+optimizer = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=peak)
+args = argparse.Namespace(
+    sched="cosine", epochs=int(epochs - cooldown), min_lr=1e-5, warmup_lr=1e-6,
+    warmup_epochs=int(warmup), cooldown_epochs=int(cooldown), decay_epochs=30,
+    decay_rate=0.1, lr_noise=None,
+)
+scheduler, total_epochs = scheduler_factory.create_scheduler(args, optimizer)
+lrs = []
+for epoch in range(total_epochs):
+    lrs.append(optimizer.param_groups[0]["lr"])
+    scheduler.step(epoch)
+print(json.dumps(lrs))
+"""
+
+
 def test_official_schedule_matches_timm_stepped_as_rvts_main_steps_it():
-    torch = pytest.importorskip("torch")
-    scheduler_factory = pytest.importorskip("timm.scheduler")
+    pytest.importorskip("timm")
     epochs, warmup, cooldown, steps_per_epoch, batch = 20, 5, 3, 3, 128
     peak = 5e-4 * batch / 512
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=peak)
-    args = argparse.Namespace(
-        sched="cosine",
-        epochs=epochs - cooldown,  # timm's --epochs; it returns them plus the cool-down
-        min_lr=1e-5,
-        warmup_lr=1e-6,
-        warmup_epochs=warmup,
-        cooldown_epochs=cooldown,
-        decay_epochs=30,
-        decay_rate=0.1,
-        lr_noise=None,
-    )
-    scheduler, total_epochs = scheduler_factory.create_scheduler(args, optimizer)
-    assert total_epochs == epochs
+    result = run_python(["-c", _TIMM_EPOCH_LRS, *map(str, (epochs, warmup, cooldown, peak))])
+    assert result.returncode == 0, result.stderr[-2000:]
+    timm_lrs = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(timm_lrs) == epochs  # timm returns --epochs plus the cool-down
     ours = optim.schedule_for_run(
         _config(schedule="official_epochs", warmup_epochs=warmup, cooldown_epochs=cooldown),
         batch_size=batch,
         steps_per_epoch=steps_per_epoch,
         total_steps=epochs * steps_per_epoch,
     )
-    for epoch in range(total_epochs):  # RSPC_RVT/main.py's loop
+    for epoch, lr in enumerate(timm_lrs):
         for step in range(epoch * steps_per_epoch, (epoch + 1) * steps_per_epoch):
-            np.testing.assert_allclose(ours(step), optimizer.param_groups[0]["lr"], rtol=1e-5)
-        scheduler.step(epoch)
+            np.testing.assert_allclose(ours(step), lr, rtol=1e-5)
 
 
 def test_the_schedule_switch_is_validated():
