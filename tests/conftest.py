@@ -472,6 +472,14 @@ def system_tcmalloc() -> str:
     return library
 
 
+def skip_without(module: str) -> None:
+    """Skips the test when `module` is not installed, without importing it: timm imports
+    torchvision, whose triton import crashes a process that has already loaded JAX and
+    TensorFlow (tests that need timm run it in a fresh process)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install -r requirements-torch.txt)")
+
+
 def run_python(args, *, devices: int = 1, timeout: int = 600, env_extra=None, cwd=REPO):
     """Runs `python args...` in a fresh process (XLA_FLAGS must be set before JAX starts)."""
     env = dict(os.environ)

@@ -24,6 +24,7 @@ from tests.conftest import (
     load_config,
     run_module_without_tensorflow,
     run_python,
+    skip_without,
     smoke_config,
 )
 
@@ -233,7 +234,7 @@ def test_timm_reference_mixes_as_the_config_does_and_prints_the_record():
     config.batch_size = 7
     with pytest.raises(ConfigError, match=r"needs an even batch \(got 7\)"):
         side_by_side.timm_command(config, steps=1)
-    pytest.importorskip("timm")
+    skip_without("timm")
     tiny = ["--model=deit_tiny_patch16_224", "--image_size=32", "--batch=2", "--steps=2"]
     result = run_python(["-m", "benchmarks.timm_step", *tiny, "--mixup_alpha=0.8"], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -243,7 +244,7 @@ def test_timm_reference_mixes_as_the_config_does_and_prints_the_record():
 
 
 def test_layer_benchmark_ratios_are_the_quotients_of_its_medians():
-    pytest.importorskip("timm")
+    skip_without("timm")
     parts = ["--batch=2", "--tokens=17", "--width=64", "--heads=2", "--model="]
     result = run_python(["-m", "benchmarks.layers", *parts, "--steps=2", "--rounds=2"])
     assert result.returncode == 0, result.stderr[-3000:]

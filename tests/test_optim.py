@@ -9,7 +9,7 @@ import pytest
 
 from rspc_jax import ConfigError
 from rspc_jax.training import checks, defaults, optim
-from tests.conftest import run_python
+from tests.conftest import run_python, skip_without
 
 
 def _config(**overrides):
@@ -92,7 +92,7 @@ print(json.dumps(lrs))
 
 
 def test_official_schedule_matches_timm_stepped_as_rvts_main_steps_it():
-    pytest.importorskip("timm")
+    skip_without("timm")
     epochs, warmup, cooldown, steps_per_epoch, batch = 20, 5, 3, 3, 128
     peak = 5e-4 * batch / 512
     result = run_python(["-c", _TIMM_EPOCH_LRS, *map(str, (epochs, warmup, cooldown, peak))])
