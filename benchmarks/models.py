@@ -72,17 +72,17 @@ def measure(
     batch_stats = variables.get("batch_stats", {})
 
     def loss(params):
-        logits, _ = rspc.apply_model(
-            model,
+        rngs = {"dropout": jax.random.PRNGKey(2)}
+        ce, _ = rspc.plain_loss(
             params,
             batch_stats,
             images,
+            targets,
+            model=model,
+            rngs=rngs,
             compute_dtype=compute_dtype,
-            train=True,
-            mutable=["batch_stats"],
-            rngs={"dropout": jax.random.PRNGKey(2)},
         )
-        return rspc.cross_entropy(logits, targets)
+        return ce
 
     grad = jax.jit(jax.grad(loss))
     start = time.perf_counter()
