@@ -12,8 +12,10 @@ models' state-dict key manifests and params.json). The cases are reduced officia
 (conv stem, PAAS, conv-MLP with BatchNorm, depthwise pooling, two stages), RVT-B* (width 768:
 the Linear MLP path, PAAS in one of two blocks), FAN-Hybrid (ConvNeXt stem, HybridEmbed,
 Fourier encoding, FAN blocks, class attention), the patch-occlusion model C (quantile mask,
-fold, clamp, straight-through estimator) and one RSPC training forward/backward (soft-target
-CE, the alignment loss with lambda, C's gradients unscaled and under the AMP loss scale).
+fold, clamp, straight-through estimator), one RSPC training forward/backward (soft-target
+CE, the alignment loss with lambda, C's gradients unscaled and under the AMP loss scale),
+and 50 training steps of a tiny official RVT on the digits (reference/trajectory.py's
+comparison, recorded; its weights are the official initialisation, batch 64).
 
 Weights are synthetic (every tensor redrawn from seeded distributions, BatchNorm statistics
 calibrated, then perturbed) so that every tensor moves the outputs. The 768-wide
@@ -707,6 +709,8 @@ KINDS = {
     "fan_classifier": "eval-mode forward of a reduced FAN-Hybrid: logits and FAN block outputs",
     "patch_occlusion": "RSPC patch-occlusion model C, corrupted image and straight-through gradients",
     "rspc_loss": "one RSPC train-mode forward/backward: CE, alignment loss, total loss, gradients",
+    "rspc_trajectory": "50 official RSPC training steps of a tiny RVT on the digits (float32, "
+    "with the float64 envelope): per-step scalars and masks, initial and final weights",
 }
 
 
@@ -770,9 +774,32 @@ def fan_case(official, gen) -> dict:
     return case
 
 
-def build_cases(official) -> list:
+def trajectory_case(official) -> dict:
+    """reference/trajectory.py's comparison for 50 steps of a width-48 two-block RVT (the
+    trajectory's own initialisation and batches), as a case."""
+    import trajectory
+
+    args = trajectory.parse_args(
+        ["--official_repo", str(official.repo), "--steps", "50", "--seed", "0", "--out", "-"]
+        + ["--base_dim", "16", "--depth", "2", "--heads", "3", "--probe_steps"]
+    )
+    result, comparison = trajectory.run(args)
+    return trajectory.fixture_case(args, result, comparison)
+
+
+CASES = ("rvt_ti_plus_reduced", "rvt_b_plus_reduced", "fan_t_hybrid_reduced")
+CASES += ("rspc_occlusion", "rspc_loss_rvt", "rspc_trajectory_rvt")
+
+
+def build_cases(official, names) -> list:
+    """The cases called `names`, in CASES order. The synthetic cases draw from one generator
+    in turn, so each is drawn as if all were (and discarded when not asked for)."""
+    if "rspc_trajectory_rvt" in names:
+        yield trajectory_case(official)
+    if not set(names) - {"rspc_trajectory_rvt"}:
+        return
     gen = torch.Generator().manual_seed(SEED)
-    return [
+    synthetic = [
         rvt_case(
             official,
             gen,
@@ -795,13 +822,14 @@ def build_cases(official) -> list:
         occlusion_case(official, gen),
         rspc_loss_case(official, gen),
     ]
+    yield from (case for case in synthetic if case["config"]["case"] in names)
 
 
 def write_case(case: dict, root: pathlib.Path, provenance: dict) -> dict:
     config = case["config"]
     folder = root / config["case"]
     folder.mkdir(parents=True, exist_ok=True)
-    config.update(provenance, seed=SEED, batch=BATCH, dtype="float32")
+    config = dict(dict(seed=SEED, batch=BATCH, dtype="float32"), **provenance, **config)
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     np.savez_compressed(folder / "inputs.npz", **case["inputs"])
     np.savez_compressed(folder / "outputs.npz", **case["outputs"])
@@ -812,7 +840,7 @@ def write_case(case: dict, root: pathlib.Path, provenance: dict) -> dict:
     return dict(
         name=config["case"],
         kind=config["kind"],
-        batch=BATCH,
+        batch=config["batch"],
         files=files,
         size_bytes=sum((folder / f).stat().st_size for f in files),
     )
@@ -900,6 +928,14 @@ def main() -> None:
         "--official_repo", required=True, type=pathlib.Path, help="guoyongcs/RSPC checkout"
     )
     parser.add_argument("--out", type=pathlib.Path, default=OUT, help="default: tests/fixtures")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASES,
+        default=CASES,
+        help="rewrite only these cases (the others keep their index entries and files); "
+        "the key manifests are written only when every case is",
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
     torch.use_deterministic_algorithms(True)
@@ -910,14 +946,27 @@ def main() -> None:
         software=software(),
     )
     reference = args.out / "reference"
-    index = [write_case(case, reference, provenance) for case in build_cases(official)]
+    written = {
+        c["name"]: c
+        for c in (
+            write_case(case, reference, provenance) for case in build_cases(official, args.cases)
+        )
+    }
+    kept = (
+        json.loads((reference / "index.json").read_text())["cases"]
+        if set(args.cases) < set(CASES)
+        else []
+    )
+    kept = {c["name"]: c for c in kept}
+    index = [written.get(name) or kept[name] for name in CASES if name in written or name in kept]
     (reference / "index.json").write_text(
         json.dumps(
             dict(format_version=1, seed=SEED, kinds=KINDS, cases=index, **provenance), indent=1
         )
         + "\n"
     )
-    write_manifests(official, args.out / "torch_keys", provenance)
+    if set(args.cases) == set(CASES):
+        write_manifests(official, args.out / "torch_keys", provenance)
     total = sum(case["size_bytes"] for case in index)
     print(json.dumps(dict(cases={c["name"]: c["size_bytes"] for c in index}, total_bytes=total)))
 
