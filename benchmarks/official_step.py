@@ -16,7 +16,9 @@ timm's NativeScaler backward and AdamW step, C's gradient clipped to 5, reversed
 Nesterov SGD step), `plain` restates `engine.train_one_epoch`; both mix the batch with timm's
 Mixup (main.py's defaults) into soft targets for SoftTargetCrossEntropy under the official
 DistillationLoss, and update the EMA (main.py's default ModelEmaV2, 0.99996). The step runs in
-float32 (no autocast), blocked per step. On a GPU the official loop's NativeScaler multiplies
+float32 unless `--autocast` names a dtype: the official loop runs C, the corruption, the
+forward and the losses under `torch.cuda.amp.autocast` (float16) for every model but RVT-B;
+`--autocast bfloat16` times it as our bfloat16 step computes. It is blocked per step. On a GPU the official loop's NativeScaler multiplies
 the loss by its scale (2^16 at the start) before the backward: the classifier's gradients are
 unscaled before its update, C's are not, and its straight-through hardtanh acts on the scaled
 ones. On CPU timm's default scaler is disabled, so this script gives NativeScaler the step's
@@ -75,6 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--loss_scale", type=float, default=2.0**16, help="the scaler's initial scale; 0: off"
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--autocast",
+        choices=("off", "float16", "bfloat16"),
+        default="off",
+        help="the dtype of the official loop's autocast region (it uses float16 on CUDA)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="0: every usable core")
     args = parser.parse_args(argv)
     if args.official_repo is None:
@@ -153,23 +161,35 @@ class OfficialStep:
         self.images = torch.randn(args.batch, 3, 224, 224, device=device)
         self.labels = torch.randint(0, args.num_classes, (args.batch,), device=device)
 
+    def autocast(self):
+        """The official loop's autocast region, in `--autocast`'s dtype (or none)."""
+        torch, dtype = self.torch, self.args.autocast
+        device = torch.device(self.args.device).type
+        if dtype == "off":
+            return torch.autocast(device, enabled=False)
+        return torch.autocast(device, dtype=getattr(torch, dtype))
+
+    def loss(self, samples, targets):
+        """The official loop's forward and loss (inside its autocast region)."""
+        torch = self.torch
+        if self.occlusion is None:
+            return self.criterion(samples, self.model(samples), targets)
+        noise_mask = self.occlusion(samples)
+        noise = torch.rand(samples.shape, dtype=samples.dtype, device=samples.device)
+        noise_sample = samples * noise_mask + noise * (1 - noise_mask)
+        noise_sample = torch.max(torch.min(noise_sample, self.upper), self.lower)
+        _, outputs = self.model(noise_sample, samples)
+        loss = self.criterion(samples, outputs, targets)
+        return loss + OFFICIAL["extra_weight"] * self.utils.FeatureAlignmentLoss(self.model)
+
     def __call__(self) -> float:
         """One step of the official loop; returns loss.item() as the loop reads it."""
         torch, args = self.torch, self.args
         samples, targets = self.images, self.labels
         if self.mixing:
             samples, targets = self.mix(samples.clone(), targets)  # a fresh batch, mixed
-        if self.occlusion is None:
-            outputs = self.model(samples)
-            loss = self.criterion(samples, outputs, targets)
-        else:
-            noise_mask = self.occlusion(samples)
-            noise = torch.rand(samples.shape, dtype=samples.dtype, device=samples.device)
-            noise_sample = samples * noise_mask + noise * (1 - noise_mask)
-            noise_sample = torch.max(torch.min(noise_sample, self.upper), self.lower)
-            _, outputs = self.model(noise_sample, samples)
-            loss = self.criterion(samples, outputs, targets)
-            loss += OFFICIAL["extra_weight"] * self.utils.FeatureAlignmentLoss(self.model)
+        with self.autocast():
+            loss = self.loss(samples, targets)
         loss_value = loss.item()
         self.optimizer.zero_grad()
         if self.occlusion is not None:
@@ -200,6 +220,7 @@ def time_official_step(args) -> dict:
     return dict(
         framework=f"PyTorch {torch.__version__}, timm {timm.__version__} (official RSPC code)",
         variant=args.variant,
+        autocast=args.autocast,
         median_sec=statistics.median(times),
         times=times,
         peak_rss_bytes=timing.peak_rss_bytes(),

@@ -21,7 +21,8 @@
 # compile for minutes beside the other compiles); PROFILE_DIR, if set, also
 # traces each row's steps there (--profile_dir) and prints their top ops; EXTRA_ROWS, more rows
 # in the ROWS format below (one per line), e.g. A/B choices, timed right after the first row;
-# COMPILE_JOBS, the compiles at a time (default: all on GPUs, 1 on TPUs).
+# COMPILE_JOBS, the compiles at a time (default: all on GPUs, 1 on TPUs); ONLY, the names of
+# the rows to run, in that order (default: every row), for a short lease.
 set -uo pipefail
 LOG="${1:-benchmark_accelerator.log}"
 BATCH="${BATCH:-256}"
@@ -37,8 +38,8 @@ BF16=--config.compute_dtype=bfloat16
 TIMM="--compare_timm --rounds=2"
 OFFICIAL_ROWS=""
 if [[ -n "${OFFICIAL:-}" ]]; then
-  OFFICIAL_ROWS="--rounds=2 --compare_command=plain='$PYTHON $OFFICIAL plain {steps} --model rvt_small_plus --batch $BATCH_CONV --device cuda'"
-  OFFICIAL_ROWS+=" --compare_command=rspc='$PYTHON $OFFICIAL rspc {steps} --model rvt_small_plus --batch $BATCH_CONV --device cuda'"
+  OFFICIAL_ROWS="--rounds=2 --compare_command=plain='$PYTHON $OFFICIAL plain {steps} --model rvt_small_plus --batch $BATCH_CONV --device cuda --autocast bfloat16'"
+  OFFICIAL_ROWS+=" --compare_command=rspc='$PYTHON $OFFICIAL rspc {steps} --model rvt_small_plus --batch $BATCH_CONV --device cuda --autocast bfloat16'"
 fi
 # name | implementation choices of both step kinds (@CHOICE=VALUE..., rspc_jax.models.ops) |
 # the config and its overrides | what the timed run adds
@@ -57,6 +58,17 @@ ROWS+=(
   "rvt_s_f32||--config=configs/rvt_s.py --batch=$BATCH_CONV --config.patch_aug=off|"
   "fan_s_hybrid_f32||--config=configs/fan_s_hybrid.py --batch=$BATCH_CONV|"
 )
+
+if [[ -n "${ONLY:-}" ]]; then
+  chosen=()
+  for name in $ONLY; do
+    for row in "${ROWS[@]}"; do
+      [[ "${row%%|*}" == "$name" ]] && chosen+=("$row")
+    done
+  done
+  ((${#chosen[@]})) || { echo "ONLY=$ONLY names none of the rows" >&2; exit 2; }
+  ROWS=("${chosen[@]}")
+fi
 
 quiet() { grep -v "^[WI][0-9]\{4\} "; }  # absl's and XLA's log lines
 

@@ -1,6 +1,7 @@
 """launch/tpu_vm.sh: the gcloud commands it would run for a v3-32 pod slice (--dry-run,
 checked as text), and a clear stop when a required variable is missing."""
 
+import functools
 import os
 import subprocess
 
@@ -156,3 +157,22 @@ def test_accelerator_benchmark_script_compiles_one_at_a_time_where_asked(tmp_pat
         assert len(counts) == 16
         most_at_once[jobs] = max(counts)
     assert most_at_once["1"] == 1 and most_at_once["0"] > 1, most_at_once
+
+
+def test_accelerator_benchmark_script_runs_only_the_named_rows_in_their_order(tmp_path):
+    """ONLY picks rows for a short lease, in the order given; the official RVT-S* step is
+    timed under bfloat16 autocast beside our bfloat16 step; a name of no row stops it."""
+    env = {**os.environ, "PYTHON": "echo", "OFFICIAL": "/x/official_step.py"}
+    run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True, timeout=60)
+    script = str(REPO / "launch" / "benchmark_accelerator.sh")
+    log = tmp_path / "only.log"
+    result = run(["bash", script, str(log)], env={**env, "ONLY": "rvt_s_bf16 deit_s_bf16"})
+    assert result.returncode == 0, result.stderr
+    lines = log.read_text().splitlines()
+    timed = [line for line in lines if line.startswith("-m benchmarks.train_step --steps=")]
+    compiles = [line for line in lines if "--compile_only" in line]
+    assert len(timed) == 2 and len(compiles) == 4
+    assert "configs/rvt_s.py" in timed[0] and "configs/deit_s.py" in timed[1]
+    assert "--device cuda --autocast bfloat16" in timed[0]
+    wrong = run(["bash", script, str(tmp_path / "x.log")], env={**env, "ONLY": "rvt_z"})
+    assert wrong.returncode == 2 and "ONLY=rvt_z names none of the rows" in wrong.stderr
