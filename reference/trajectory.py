@@ -6,7 +6,8 @@ official code (guoyongcs/RSPC), e.g.
     python reference/trajectory.py --official_repo ../RSPC --steps 300 --seed 0 --out traj
 
 The model is a tiny official RVT (`robust_models.PoolingTransformer`: image 64, base_dims
-[32], depth [4], heads [3], mlp_ratio 4: width 96, 16 tokens) with the official C
+[32], depth [4], heads [3], mlp_ratio 4: width 96, 16 tokens; --base_dim, --depth and
+--heads change it) with the official C
 (`PatchOcclusion(0.1, 3, 16, 16)`), rho 0.1, lambda 0.005, batch 64, on scikit-learn's
 digits (nearest-upsampled to 64 px, three channels, normalised with the digits' mean and
 std, no augmentation; batches are a seeded permutation per epoch, the last partial batch
@@ -34,7 +35,11 @@ each image's keep mask, and BatchNorm summaries; for the pairs (official, offici
 (official, ours): the fraction of images whose masks agree, and relative distances of the
 classifier's parameters, C's parameters and the BatchNorm statistics. At --probe_steps it
 records C's masks on a fixed set of 256 training digits (distinct masks, selection
-entropy). It writes trajectory.json and trajectory.png into --out.
+entropy, modal mask share). It writes trajectory.json and trajectory.png into --out.
+--no_envelope leaves out the float64 run (the collapse study: 920 steps, 3 seeds;
+docs/study/findings.md). reference/make_fixtures.py records 50 steps of a width-48 RVT with
+`fixture_case` for tests/test_trajectory.py. Results: docs/method.md, "The official training,
+step for step".
 """
 
 import argparse
