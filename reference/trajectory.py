@@ -120,16 +120,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Data
 
 
-def digits(spec):
-    """(train images NHWC float32 normalised at 64 px, labels int32)."""
-    images, labels = sklearn_digits._load_uint8_digits()
-    images, labels = images[: sklearn_digits.NUM_TRAIN], labels[: sklearn_digits.NUM_TRAIN]
-    scale = IMAGE // images.shape[1]
-    pixels = images.repeat(scale, axis=1).repeat(scale, axis=2).repeat(3, axis=3) / 255.0
-    normalised = (pixels - np.asarray(spec.mean)) / np.asarray(spec.std)
-    return normalised.astype(np.float32), labels.astype(np.int32)
-
-
 def batch_indices(num_examples: int, steps: int, seed: int) -> list:
     """Each step's example indices: a seeded permutation per epoch, the last partial batch
     dropped (the official loader's drop_last)."""
@@ -406,7 +396,7 @@ class Comparison(NamedTuple):
 def build(args) -> Comparison:
     torch.set_num_threads(args.threads)
     spec = data_specs.dataset_spec("sklearn_digits")
-    images, labels = digits(spec)
+    images, labels = sklearn_digits.upsampled_train_arrays(IMAGE, spec.mean, spec.std)
     steps_per_epoch = len(images) // BATCH
     epochs = math.ceil(args.steps / steps_per_epoch)
     modules = official_modules(args.official_repo)

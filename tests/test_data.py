@@ -482,3 +482,19 @@ def test_unknown_names_raise_value_error_listing_choices(digits_data_dir):
 def test_every_eval_preprocess_choice_that_configs_may_name_has_a_pipeline():
     """The config check (plain Python, no TF) and the TF pipelines name the same choices."""
     assert set(options.EVAL_PREPROCESS_CHOICES) == set(eval_data.EVAL_CHOICES)
+
+
+def test_upsampled_train_arrays_repeat_each_pixel_and_normalise():
+    """The in-memory training digits of the trajectory comparison: the first NUM_TRAIN
+    images, each 8x8 pixel a 4x4 block in three equal channels, (v/255 - mean) / std."""
+    from rspc_jax.data import sklearn_digits
+
+    mean, std = (0.1, 0.2, 0.3), (0.5, 0.25, 2.0)
+    images, labels = sklearn_digits.upsampled_train_arrays(32, mean, std)
+    raw, raw_labels = sklearn_digits._load_uint8_digits()
+    assert images.shape == (sklearn_digits.NUM_TRAIN, 32, 32, 3) and images.dtype == np.float32
+    np.testing.assert_array_equal(labels, raw_labels[: sklearn_digits.NUM_TRAIN])
+    pixels = images * np.asarray(std, np.float32) + np.asarray(mean, np.float32)
+    block = pixels[7, 12:16, 20:24]  # pixel (3, 5) of image 7
+    np.testing.assert_allclose(block, raw[7, 3, 5, 0] / 255.0, atol=1e-6)
+    assert len(np.unique(raw[:50])) > 2  # not a constant image set

@@ -29,17 +29,6 @@ FLOOR = 1e-7  # float32 rounding of one value: the envelope of quantities both c
 SCALARS = ("ce", "align", "loss", "grad_norm", "c_grad_norm", "lr")
 
 
-def _digits(spec, image_size: int):
-    """The recorded run's inputs: the training digits nearest-upsampled to `image_size`,
-    three channels, normalised with the dataset's mean and std."""
-    images, labels = sklearn_digits._load_uint8_digits()
-    images, labels = images[: sklearn_digits.NUM_TRAIN], labels[: sklearn_digits.NUM_TRAIN]
-    scale = image_size // images.shape[1]
-    pixels = images.repeat(scale, axis=1).repeat(scale, axis=2).repeat(3, axis=3) / 255.0
-    normalised = (pixels - np.asarray(spec.mean)) / np.asarray(spec.std)
-    return normalised.astype(np.float32), labels.astype(np.int32)
-
-
 def _official_start(state, case):
     """`state` with the case's official initial classifier and C."""
     with (
@@ -69,7 +58,7 @@ def replay(request):
     config = defaults.get_default_config()
     config.update_from_flattened_dict(case.config["our_config"])
     spec = data_specs.dataset_spec("sklearn_digits")
-    images, labels = _digits(spec, config.image_size)
+    images, labels = sklearn_digits.upsampled_train_arrays(config.image_size, spec.mean, spec.std)
     steps_per_epoch = len(images) // config.batch_size
     model = setup.build_model(config, case.config["num_classes"])
     corruption = rspc.make_corruption_model(config.rspc, config.rspc.patch_size)

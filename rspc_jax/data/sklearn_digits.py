@@ -177,3 +177,16 @@ def _load_uint8_digits():
     digits = load_digits()
     images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
     return images[..., None], digits.target
+
+
+def upsampled_train_arrays(image_size: int, mean, std):
+    """The training digits as in-memory arrays: (N, image_size, image_size, 3) float32,
+    nearest-upsampled (each pixel repeated), three equal channels, normalised with `mean` and
+    `std`; and the (N,) int32 labels. The side-by-side comparison with the official training
+    (reference/trajectory.py) and its replay test train on exactly these."""
+    images, labels = _load_uint8_digits()
+    images, labels = images[:NUM_TRAIN], labels[:NUM_TRAIN]
+    scale = image_size // images.shape[1]
+    pixels = images.repeat(scale, axis=1).repeat(scale, axis=2).repeat(3, axis=3) / 255.0
+    normalised = (pixels - np.asarray(mean)) / np.asarray(std)
+    return normalised.astype(np.float32), labels.astype(np.int32)
