@@ -98,6 +98,17 @@ def official_modules(repo: pathlib.Path):
     return tuple(importlib.import_module(m) for m in ("robust_models", "utils", "losses"))
 
 
+def rspc_forward(torch, model, occlusion, samples, noise, lower, upper):
+    """train_one_epoch_rspc's forward without patch aug: C's keep mask, the noise blended
+    into the occluded patches and clamped, one forward of [corrupted; clean]. Returns
+    (C's mask, the outputs on the clean half)."""
+    noise_mask = occlusion(samples)
+    noise_sample = samples * noise_mask + noise * (1 - noise_mask)
+    noise_sample = torch.max(torch.min(noise_sample, upper), lower)
+    _, outputs = model(noise_sample, samples)
+    return noise_mask, outputs
+
+
 class OfficialStep:
     """The official model, C, optimizers, scaler, EMA and criterion, and one step of them."""
 
@@ -174,11 +185,10 @@ class OfficialStep:
         torch = self.torch
         if self.occlusion is None:
             return self.criterion(samples, self.model(samples), targets)
-        noise_mask = self.occlusion(samples)
         noise = torch.rand(samples.shape, dtype=samples.dtype, device=samples.device)
-        noise_sample = samples * noise_mask + noise * (1 - noise_mask)
-        noise_sample = torch.max(torch.min(noise_sample, self.upper), self.lower)
-        _, outputs = self.model(noise_sample, samples)
+        _, outputs = rspc_forward(
+            torch, self.model, self.occlusion, samples, noise, self.lower, self.upper
+        )
         loss = self.criterion(samples, outputs, targets)
         return loss + OFFICIAL["extra_weight"] * self.utils.FeatureAlignmentLoss(self.model)
 

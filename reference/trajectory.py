@@ -44,7 +44,6 @@ step for step".
 
 import argparse
 import copy
-import importlib
 import json
 import math
 import pathlib
@@ -64,6 +63,7 @@ sys.path.insert(0, str(REPO))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import official_step  # noqa: E402
 from rspc_jax import parallel, rspc  # noqa: E402
 from rspc_jax.data import sklearn_digits  # noqa: E402
 from rspc_jax.data import specs as data_specs  # noqa: E402
@@ -136,11 +136,6 @@ def batch_indices(num_examples: int, steps: int, seed: int) -> list:
 # The official side
 
 
-def official_modules(repo: pathlib.Path):
-    sys.path.insert(0, str(repo.resolve() / "RSPC_RVT"))
-    return tuple(importlib.import_module(m) for m in ("robust_models", "utils", "losses"))
-
-
 class OfficialRun:
     """The official model, C, optimizers, scaler and scheduler, in `dtype`."""
 
@@ -188,10 +183,9 @@ class OfficialRun:
         self.model.train()
         lr = self.optimizer.param_groups[0]["lr"]
         scale = self.scaler.get_scale()
-        noise_mask = self.occlusion(samples)
-        noise_sample = samples * noise_mask + noise * (1 - noise_mask)
-        noise_sample = torch.max(torch.min(noise_sample, self.upper), self.lower)
-        _, outputs = self.model(noise_sample, samples)
+        noise_mask, outputs = official_step.rspc_forward(
+            torch, self.model, self.occlusion, samples, noise, self.lower, self.upper
+        )
         ce = self.criterion(samples, outputs, labels)
         align = self.utils.FeatureAlignmentLoss(self.model)
         loss = ce + LAMBDA * align
@@ -399,7 +393,7 @@ def build(args) -> Comparison:
     images, labels = sklearn_digits.upsampled_train_arrays(IMAGE, spec.mean, spec.std)
     steps_per_epoch = len(images) // BATCH
     epochs = math.ceil(args.steps / steps_per_epoch)
-    modules = official_modules(args.official_repo)
+    modules = official_step.official_modules(args.official_repo)
     torch.manual_seed(args.seed)
     model = modules[0].PoolingTransformer(
         base_dims=[args.base_dim], depth=[args.depth], heads=[args.heads], **OFFICIAL_RVT_KWARGS
