@@ -517,6 +517,33 @@ def summarize(records: list, factor: float = 10.0) -> dict:
     return dict(first_mask_difference=first_mask, leaves_envelope=leaves, factor=factor)
 
 
+def summary_table(records: list, factor: float = 10.0) -> str:
+    """The comparison's printed result: per quantity the envelope and ours at the last step,
+    the largest ratio of ours to the envelope's running maximum and where, and the first step
+    over `factor` times it; then the first step where any mask differs on each pair."""
+    lines = [
+        f"{'quantity':<22} {'envelope':>9} {'ours':>9} {'max ours/env':>13} {'at':>5} "
+        f"{f'>{factor:g}x at':>9}"
+    ]
+    for q in QUANTITIES if "envelope" in records[0] else ():
+        worst, largest, at, first = 0.0, 0.0, None, None
+        for r in records:
+            worst = max(worst, r["envelope"][q])
+            ratio = r["ours_vs_official"][q] / max(worst, 1e-7)
+            if ratio > largest:
+                largest, at = ratio, r["step"]
+            if ratio > factor and first is None:
+                first = r["step"]
+        last = records[-1]
+        lines.append(
+            f"{q:<22} {last['envelope'][q]:>9.2e} {last['ours_vs_official'][q]:>9.2e} "
+            f"{largest:>13.2f} {at:>5} {first or '-':>9}"
+        )
+    for pair, step in summarize(records, factor)["first_mask_difference"].items():
+        lines.append(f"first step where a mask differs, {pair}: {step or 'none'}")
+    return "\n".join(lines)
+
+
 FIXTURE_CASE = "rspc_trajectory_rvt"
 
 
@@ -603,7 +630,7 @@ def main(argv=None) -> None:
     result, _ = run(args)
     (args.out / "trajectory.json").write_text(json.dumps(result, indent=1))
     figure(result, args.out / "trajectory.png")
-    print(json.dumps(result["summary"], indent=1))
+    print(summary_table(result["steps"]))
 
 
 if __name__ == "__main__":
