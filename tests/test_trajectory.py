@@ -127,21 +127,33 @@ def _relative_distance(ours: dict, official: dict) -> float:
     return float(diff / np.sqrt(sum(np.sum(np.float64(official[k]) ** 2) for k in keys)))
 
 
-def _final(case, prefix: str, skip=("running_mean", "running_var", "num_batches_tracked")):
+def _final(case, prefix: str, keep) -> dict:
+    """The recorded final state dict under `prefix`, the entries that `keep(key)` accepts."""
     return {
         k[len(prefix) :]: v.astype(np.float64)
         for k, v in case.outputs.items()
-        if k.startswith(prefix) and not k.endswith(skip)
+        if k.startswith(prefix) and keep(k)
     }
 
 
-@pytest.mark.parametrize("part", ["classifier", "c"])
-def test_final_parameters_stay_within_the_rounding_envelope(replay, part):
-    """After the last step (BatchNorm's running variance is left out: the official one is
-    the unbiased estimate, ours the biased one, docs/method.md)."""
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+PARTS = {
+    # part: (recorded prefix, which of our two state dicts, its entries, the envelope's name)
+    "classifier": ("final_classifier.", 0, lambda k: not k.endswith(BUFFERS), "classifier"),
+    "c": ("final_c.", 1, lambda k: True, "c"),
+    "bn_mean": ("final_classifier.", 0, lambda k: k.endswith("running_mean"), "bn_mean"),
+}
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_final_state_stays_within_the_rounding_envelope(replay, part):
+    """After the last step: the classifier's parameters, C's, and BatchNorm's running means.
+    The running variances are left out: the official one averages the unbiased batch
+    variance, ours (flax's) the biased one (docs/method.md)."""
     case, _, final = replay
-    official = _final(case, f"final_{part}.")
-    ours = final[0] if part == "classifier" else final[1]
-    distance = _relative_distance(ours, official)
-    bound = _bound(case, "classifier_distance" if part == "classifier" else "c_distance")[-1]
+    prefix, side, keep, envelope = PARTS[part]
+    official = _final(case, prefix, keep)
+    assert official, f"no recorded {part} entries"
+    distance = _relative_distance(final[side], official)
+    bound = _bound(case, f"{envelope}_distance")[-1]
     assert distance <= bound, f"{part}: relative distance {distance:.3g} > bound {bound:.3g}"
