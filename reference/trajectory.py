@@ -33,7 +33,8 @@ one divides by n_blocks + 1e-4), the total loss, the classifier's gradient norm 
 one unscaled), C's gradient norm before clipping (under the 2^16 scale on both sides), the lr,
 each image's keep mask, and BatchNorm summaries; for the pairs (official, official_f64) and
 (official, ours): the fraction of images whose masks agree, and relative distances of the
-classifier's parameters, C's parameters and the BatchNorm statistics. At --probe_steps it
+classifier's parameters, C's parameters and the BatchNorm statistics, and for the envelope
+the count of stem max-pool windows whose argmax differs. At --probe_steps it
 records C's masks on a fixed set of 256 training digits (distinct masks, selection
 entropy, modal mask share). It writes trajectory.json and trajectory.png into --out.
 --no_envelope leaves out the float64 run (the collapse study: 920 steps, 3 seeds;
@@ -144,6 +145,12 @@ class OfficialRun:
         self.dtype = dtype
         self.model = copy.deepcopy(model).to(dtype)
         self.occlusion = copy.deepcopy(occlusion).to(dtype)
+        # The conv stem's max-pool input of the last forward: where its argmax is a near-tie,
+        # rounding decides which pixel gets the gradient (docs/method.md).
+        self.stem_pool = self.model.patch_embed.proj[2]
+        self.stem_pool.register_forward_hook(
+            lambda module, inputs, output: setattr(self, "stem_pool_input", inputs[0].detach())
+        )
         peak = args.lr * BATCH / 512.0
         self.optimizer = timm.optim.create_optimizer_v2(
             self.model, opt="adamw", lr=peak, weight_decay=0.05
@@ -432,10 +439,29 @@ def step_record(comparison: Comparison, step: int, index: np.ndarray) -> dict:
         record["envelope"] = pair_record(
             out["official_f64"], out["official"], states["official_f64"], states["official"]
         )
+        record["envelope"]["stem_argmax_flips"] = stem_argmax_flips(
+            comparison.official["official_f64"], comparison.official["official"]
+        )
     record["ours_vs_official"] = pair_record(
         out["ours"], out["official"], states["ours"], states["official"]
     )
     return record
+
+
+def stem_argmax_flips(a: OfficialRun, b: OfficialRun) -> int:
+    """The stem max-pool windows whose argmax differs between the two runs' last forwards."""
+    pool = a.stem_pool
+    indices = [
+        torch.nn.functional.max_pool2d(
+            r.stem_pool_input.double(),
+            pool.kernel_size,
+            pool.stride,
+            pool.padding,
+            return_indices=True,
+        )[1]
+        for r in (a, b)
+    ]
+    return int((indices[0] != indices[1]).sum())
 
 
 def probe_record(comparison: Comparison) -> dict:
