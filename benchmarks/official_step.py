@@ -18,8 +18,8 @@ Mixup (main.py's defaults) into soft targets for SoftTargetCrossEntropy under th
 DistillationLoss, and update the EMA (main.py's default ModelEmaV2, 0.99996). The step runs in
 float32 unless `--autocast` names a dtype: the official loop runs C, the corruption, the
 forward and the losses under `torch.cuda.amp.autocast` (float16) for every model but RVT-B;
-`--autocast bfloat16` times it as our bfloat16 step computes. It is blocked per step. On a GPU the official loop's NativeScaler multiplies
-the loss by its scale (2^16 at the start) before the backward: the classifier's gradients are
+`--autocast bfloat16` times it as our bfloat16 step computes. It is blocked per step. On a
+GPU the official loop's NativeScaler multiplies the loss by its scale (2^16 at the start) before the backward: the classifier's gradients are
 unscaled before its update, C's are not, and its straight-through hardtanh acts on the scaled
 ones. On CPU timm's default scaler is disabled, so this script gives NativeScaler the step's
 own device: the scaler then works on CPU as the official one does on a GPU (`--loss_scale 0`
@@ -87,9 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.official_repo is None:
         parser.error(f"pass --official_repo or set {REPO_ENV} (a checkout of guoyongcs/RSPC)")
-    if not (args.official_repo / "RSPC_RVT" / "robust_models.py").is_file():
-        parser.error(f"{args.official_repo} holds no RSPC_RVT/robust_models.py")
+    check_official_repo(parser, args.official_repo)
     return args
+
+
+def check_official_repo(parser: argparse.ArgumentParser, repo: pathlib.Path) -> None:
+    """Stops with the usage when `repo` is not a checkout of guoyongcs/RSPC."""
+    if not (repo / "RSPC_RVT" / "robust_models.py").is_file():
+        parser.error(f"{repo} holds no RSPC_RVT/robust_models.py (a checkout of guoyongcs/RSPC)")
 
 
 def official_modules(repo: pathlib.Path):

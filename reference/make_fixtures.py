@@ -28,6 +28,7 @@ hardtanh branches) are checked for margins, redrawing the inputs when one is too
 """
 
 import argparse
+from collections.abc import Iterator
 import importlib
 import json
 import pathlib
@@ -791,7 +792,7 @@ CASES = ("rvt_ti_plus_reduced", "rvt_b_plus_reduced", "fan_t_hybrid_reduced")
 CASES += ("rspc_occlusion", "rspc_loss_rvt", "rspc_trajectory_rvt")
 
 
-def build_cases(official, names) -> list:
+def build_cases(official, names) -> Iterator[dict]:
     """The cases called `names`, in CASES order. The synthetic cases draw from one generator
     in turn, so each is drawn as if all were (and discarded when not asked for)."""
     if "rspc_trajectory_rvt" in names:
@@ -829,7 +830,7 @@ def write_case(case: dict, root: pathlib.Path, provenance: dict) -> dict:
     config = case["config"]
     folder = root / config["case"]
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(dict(seed=SEED, batch=BATCH, dtype="float32"), **provenance, **config)
+    config = {**dict(seed=SEED, batch=BATCH, dtype="float32"), **provenance, **config}
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     np.savez_compressed(folder / "inputs.npz", **case["inputs"])
     np.savez_compressed(folder / "outputs.npz", **case["outputs"])

@@ -114,7 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no_envelope", action="store_true", help="skip the float64 run (collapse studies)"
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    official_step.check_official_repo(parser, args.official_repo)
+    return args
 
 
 # ------------------------------------------------------------------------------------------
