@@ -64,7 +64,7 @@ _VARIANTS = flags.DEFINE_string(
     "of rspc_jax.training.ablations, each optionally followed by @CHOICE=VALUE (an "
     "implementation choice of rspc_jax.models.ops, e.g. rspc@cpu_products=xla).",
 )
-_PROFILE_DIR = flags.DEFINE_string(
+_PROFILE_DIR = cli.DEFINE_path(
     "profile_dir",
     "",
     "Also trace 2 steps of each variant with jax.profiler into <dir>/<variant> and print "

@@ -10,10 +10,10 @@ from absl import flags
 
 from rspc_jax.tools import cli
 
-_WORKDIR = flags.DEFINE_string(
+_WORKDIR = cli.DEFINE_path(
     "workdir", None, "Training run to export (its config.json and checkpoints/).", required=True
 )
-_OUT = flags.DEFINE_string("out", None, "Output file.", required=True)
+_OUT = cli.DEFINE_path("out", None, "Output file.", required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default: the latest.")
 _EMA = flags.DEFINE_bool("ema", False, "Export the EMA weights (needs a run with ema_decay > 0).")
 _FORMAT = flags.DEFINE_enum(
@@ -22,7 +22,7 @@ _FORMAT = flags.DEFINE_enum(
     ["auto", "torch", "safetensors"],
     "'auto' = safetensors for a .safetensors --out, else torch.save.",
 )
-_CORRUPTION_OUT = flags.DEFINE_string(
+_CORRUPTION_OUT = cli.DEFINE_path(
     "corruption_out", None, "Also write RSPC's corruption model to this file."
 )
 

@@ -19,7 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "Config file (default: the embedded digits demo).",
     lock_config=True,
 )
-_WORKDIR = flags.DEFINE_string(
+_WORKDIR = cli.DEFINE_path(
     "workdir",
     None,
     "Where checkpoints, metrics and the resolved config go (local path or "

@@ -15,7 +15,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "The study's config file (base run, config.study, config.evaluation).",
     lock_config=False,
 )
-_WORKDIR = flags.DEFINE_string("workdir", None, "Where the runs, results.md and figures go.")
+_WORKDIR = cli.DEFINE_path("workdir", None, "Where the runs, results.md and figures go.")
 
 
 def main(argv):

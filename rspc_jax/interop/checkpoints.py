@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
-from rspc_jax import ConfigError, ReportedError, models
+from rspc_jax import ConfigError, ReportedError, models, resolve_path
 
 # Field names of checkpoints written before the corruption model's fields were renamed.
 _LEGACY_NAMES = {"corruption_params": "occ_params", "corruption_opt_state": "occ_opt_state"}
@@ -108,6 +108,7 @@ class Checkpointer:
     that cannot be read, moving it aside, rather than dying on it."""
 
     def __init__(self, directory: str, *, max_to_keep: int):
+        directory = resolve_path(directory)  # orbax refuses a relative path
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=True,
@@ -293,6 +294,7 @@ def read_saved_state(directory: str, step: int | None = None) -> tuple[int, dict
     building the model or its optimizer (export, evaluation, inspection). `step` None = the
     latest. Each host reads whole arrays onto one local device, so a checkpoint written by
     a pod reads on a single machine and the other way round."""
+    directory = resolve_path(directory)  # orbax refuses a relative path
     if not tf.io.gfile.isdir(directory):
         raise NoCheckpointError(
             f"no checkpoint directory {directory}; pass the --workdir of a training run"

@@ -15,7 +15,7 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from rspc_jax import ReportedError
+from rspc_jax import ReportedError, resolve_path
 from rspc_jax.tools import allocator
 
 _VERBOSE = flags.DEFINE_bool(
@@ -29,6 +29,41 @@ _MALLOC = flags.DEFINE_enum(
     "where it is installed (faster steps on CPU: docs/speed.md, 'CPU: tcmalloc'); 'system' "
     "keeps the C library's.",
 )
+
+
+class _PathParser(flags.ArgumentParser):
+    """A path flag's value as `rspc_jax.resolve_path` makes it: `runs/demo`, `~/runs/demo`,
+    `/abs/runs/demo` and `gs://bucket/runs/demo` all work, from wherever the tool is run."""
+
+    def parse(self, argument):
+        return resolve_path(argument)
+
+    def flag_type(self) -> str:
+        return "path"
+
+
+def DEFINE_path(name: str, default: str | None, help: str, **kwargs) -> flags.FlagHolder:
+    """A string flag holding a file or folder path, resolved when parsed (`_PathParser`)."""
+    return flags.DEFINE(
+        _PathParser(), name, default, help, serializer=flags.ArgumentSerializer(), **kwargs
+    )
+
+
+# The config's fields that hold paths (config.evaluation's `*_dir` fields too).
+_CONFIG_PATHS = ("data_dir", "init_from")
+
+
+def resolve_config_paths(config) -> None:
+    """The config's path fields as `rspc_jax.resolve_path` makes them, so that a relative or
+    `~` path in a config or an override names the same file in every tool and in the
+    config.json that a run writes."""
+    for key in _CONFIG_PATHS:
+        if key in config:
+            config[key] = resolve_path(config[key])
+    evaluation = config.get("evaluation") or {}
+    for key in list(evaluation.keys()):
+        if key.endswith("_dir") and isinstance(evaluation[key], str):
+            evaluation[key] = resolve_path(evaluation[key])
 
 
 def _program() -> str:
@@ -175,12 +210,12 @@ def define_checkpoint_flags(verb: str, out_dir: str) -> CheckpointFlags:
             "The run's config file (model, dataset, settings).",
             lock_config=False,
         ),
-        workdir=flags.DEFINE_string(
+        workdir=DEFINE_path(
             "workdir",
             None,
             f"Training run whose checkpoint to {verb}; results go to <workdir>/{out_dir}.",
         ),
-        checkpoint=flags.DEFINE_string(
+        checkpoint=DEFINE_path(
             "checkpoint",
             None,
             f"{verb.capitalize()} this PyTorch/"
@@ -189,7 +224,7 @@ def define_checkpoint_flags(verb: str, out_dir: str) -> CheckpointFlags:
         ),
         step=flags.DEFINE_integer("step", None, "Checkpoint step of the workdir; default: latest."),
         ema=flags.DEFINE_bool("ema", False, f"{verb.capitalize()} the EMA weights."),
-        out=flags.DEFINE_string("out", None, f"Output directory; default <workdir>/{out_dir}."),
+        out=DEFINE_path("out", None, f"Output directory; default <workdir>/{out_dir}."),
     )
 
 
@@ -228,5 +263,6 @@ def start(argv, config=None, libraries: str = "error"):
         logging.get_absl_handler().addFilter(_OursOrAtLeast(libraries))
     logging.info("Memory allocator: %s.", allocator.describe())
     if config is not None:
+        resolve_config_paths(config)
         parallel.maybe_initialize_distributed(config.distributed)
     return config

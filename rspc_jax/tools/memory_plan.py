@@ -16,6 +16,7 @@ fraction (`headroom`) of the device's memory.
 
 import functools
 import math
+import time
 from typing import NamedTuple
 
 from absl import logging
@@ -61,6 +62,7 @@ SLICES = {
 # memory) and a whole number of TPU sublanes. The accumulation plan then takes the largest
 # divisor of the per-device batch that fits, which is a power of two for the usual batches.
 MULTIPLE = 8
+MAX_COMPILES = 5  # secant guesses per memory budget after the first two batches
 
 
 def resolve_slices(names: str) -> dict:
@@ -149,7 +151,9 @@ class Fit(NamedTuple):
     proven: bool  # batch + MULTIPLE was measured and does not fit
 
 
-def largest_batch(estimate, budget: float, measured: dict, max_compiles: int = 5) -> Fit:
+def largest_batch(
+    estimate, budget: float, measured: dict, max_compiles: int = MAX_COMPILES
+) -> Fit:
     """The largest multiple of MULTIPLE whose `estimate(batch)` (bytes) fits `budget`.
 
     Memory is close to affine in the batch, so each guess is the secant through the two
@@ -216,24 +220,56 @@ def plan(config, variants, slices: dict, headroom: float, estimate=step_bytes) -
     fits `headroom` of a device's memory, and the accumulation that reaches config.batch_size.
     Slices with the same memory share a search; searches of one step share their compiles."""
     budgets = sorted({device_bytes * headroom for _, device_bytes in slices.values()})
+    searches = [(variant, remat) for variant in variants for remat in (False, True)]
+    progress = _Progress(searches, per_search=2 + MAX_COMPILES * len(budgets))
     rows = []
-    for variant in variants:
-        for remat in (False, True):
-            measured = {}
-            step = functools.partial(_logged, estimate, config, variant, remat)
-            fits = {budget: largest_batch(step, budget, measured) for budget in budgets}
-            for name, (devices, device_bytes) in slices.items():
-                fit = fits[device_bytes * headroom]
-                steps = accumulation(config.batch_size, devices, fit.batch)
-                rows.append(Row(name, devices, device_bytes, variant, remat, fit, steps))
+    for variant, remat in searches:
+        measured = {}
+        step = functools.partial(progress.logged, estimate, config, variant, remat)
+        fits = {budget: largest_batch(step, budget, measured) for budget in budgets}
+        progress.search_done()
+        for name, (devices, device_bytes) in slices.items():
+            fit = fits[device_bytes * headroom]
+            steps = accumulation(config.batch_size, devices, fit.batch)
+            rows.append(Row(name, devices, device_bytes, variant, remat, fit, steps))
     return rows
 
 
-def _logged(estimate, config, variant: str, remat: bool, batch: int) -> int:
-    """`estimate`'s bytes, logged: a full-size step takes minutes to compile on CPU."""
-    size = estimate(config, batch, variant, remat)
-    logging.info("%s step, remat %s, batch %d: %.2f GiB", variant, remat, batch, size / GiB)
-    return size
+class _Progress:
+    """One log line per compiled trial: which search, the estimate, and how many trials are
+    left at most with the time that takes at the mean so far (a full-size step takes minutes
+    to compile on CPU). The bound is `per_search` for each search not finished: two starting
+    batches and at most MAX_COMPILES secant guesses per distinct memory budget."""
+
+    def __init__(self, searches: list, per_search: int):
+        self.searches, self.per_search = searches, per_search
+        self.finished = self.in_search = self.done = 0
+        self.seconds = 0.0
+
+    def search_done(self) -> None:
+        self.finished, self.in_search = self.finished + 1, 0
+
+    def logged(self, estimate, config, variant: str, remat: bool, batch: int) -> int:
+        start = time.perf_counter()
+        size = estimate(config, batch, variant, remat)
+        self.seconds += time.perf_counter() - start
+        self.done, self.in_search = self.done + 1, self.in_search + 1
+        left = (len(self.searches) - self.finished) * self.per_search - self.in_search
+        logging.info(
+            "trial %d (search %d of %d: %s step, remat %s), batch %d: %.2f GiB; at most %d "
+            "trials left, at most %.0f min at %.0f s each",
+            self.done,
+            self.finished + 1,
+            len(self.searches),
+            variant,
+            "on" if remat else "off",
+            batch,
+            size / GiB,
+            left,
+            left * self.seconds / self.done / 60,
+            self.seconds / self.done,
+        )
+        return size
 
 
 def print_plan(

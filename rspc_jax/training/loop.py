@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from rspc_jax import ConfigError, ReportedError, parallel
+from rspc_jax import ConfigError, ReportedError, parallel, resolve_path
 from rspc_jax.data import records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
@@ -40,9 +40,8 @@ class DamagedDataError(ReportedError, OSError):
 def resolve_workdir(workdir: str) -> str:
     """Creates `workdir` and writes a test file into it, so that a bucket that cannot be
     reached or written fails here, before anything compiles, with its likely causes; local
-    paths become absolute (orbax needs that), gs:// stays."""
-    if "://" not in workdir:
-        workdir = os.path.abspath(workdir)
+    paths become absolute (`rspc_jax.resolve_path`: orbax needs that), gs:// stays."""
+    workdir = resolve_path(workdir)
     probe = os.path.join(workdir, f".write-test-{uuid.uuid4().hex}")
     try:
         tf.io.gfile.makedirs(workdir)
