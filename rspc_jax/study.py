@@ -4,7 +4,7 @@
 import os
 import sys
 
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
 from rspc_jax.tools import cli

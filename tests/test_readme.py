@@ -40,8 +40,24 @@ README = REPO / "README.md"
 # Per module, flags appended to a run to keep the suite short.
 SHORTER = {
     "rspc_jax.main": ["--config.total_steps=8"],
-    "rspc_jax.evaluate": ["--config.evaluation.num_examples=64"],
-    "rspc_jax.analyze": ["--config.analysis.num_examples=16"],
+    # Every suite and attack of the demo's report, each on a few images with a tiny budget.
+    "rspc_jax.evaluate": [
+        "--config.evaluation.num_examples=32",
+        "--config.evaluation.severities='(1,)'",
+        "--config.evaluation.occlusion_masks=4",
+        "--config.evaluation.adversarial_examples=8",
+        "--config.evaluation.apgd_iters=2",
+        "--config.evaluation.apgd_targets=1",
+        "--config.evaluation.square_queries=20",
+        "--config.evaluation.patch_fool_steps=2",
+    ],
+    "rspc_jax.analyze": [
+        "--config.analysis.num_examples=16",
+        "--config.analysis.lesion_samples=2",
+        "--config.analysis.translations=3",
+        "--config.analysis.rotations=3",
+        "--config.analysis.spatial_examples=8",
+    ],
     "benchmarks.train_step": ["--steps=2"],
 }
 # Prefixes of commands of other tools that need what CI lacks.
@@ -111,9 +127,7 @@ def readme_commands() -> list[Command]:
         else:
             i = lines.index("```", i + 1)
         i += 1
-    return [
-        Command(piece.strip(), c.line, c.env) for c in commands for piece in c.text.split("&&")
-    ]
+    return [Command(piece.strip(), c.line, c.env) for c in commands for piece in c.text.split("&&")]
 
 
 def kind(command: Command) -> str:

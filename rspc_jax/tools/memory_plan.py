@@ -151,9 +151,7 @@ class Fit(NamedTuple):
     proven: bool  # batch + MULTIPLE was measured and does not fit
 
 
-def largest_batch(
-    estimate, budget: float, measured: dict, max_compiles: int = MAX_COMPILES
-) -> Fit:
+def largest_batch(estimate, budget: float, measured: dict, max_compiles: int = MAX_COMPILES) -> Fit:
     """The largest multiple of MULTIPLE whose `estimate(batch)` (bytes) fits `budget`.
 
     Memory is close to affine in the batch, so each guess is the secant through the two
