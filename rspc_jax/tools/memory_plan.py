@@ -28,6 +28,7 @@ from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.models import ops
 from rspc_jax.training import ablations, setup
+from rspc_jax.training.memory_check import compiled_bytes
 
 GiB = 2**30
 
@@ -106,20 +107,6 @@ def variant_config(config, name: str):
     return ablations.apply(config, name)
 
 
-def compiled_bytes(compiled) -> int:
-    """XLA's estimate of one device's memory for a compiled step: arguments, outputs and
-    temporaries, less the donated buffers that outputs reuse."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return 0
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
 def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool = False) -> int:
     """XLA's memory estimate (bytes) of one device's train step of `variant` ('plain', 'rspc'
     or an ablation) at `per_device_batch` images, compiled without allocating anything. The
@@ -151,9 +138,7 @@ class Fit(NamedTuple):
     proven: bool  # batch + MULTIPLE was measured and does not fit
 
 
-def largest_batch(
-    estimate, budget: float, measured: dict, max_compiles: int = MAX_COMPILES
-) -> Fit:
+def largest_batch(estimate, budget: float, measured: dict, max_compiles: int = MAX_COMPILES) -> Fit:
     """The largest multiple of MULTIPLE whose `estimate(batch)` (bytes) fits `budget`.
 
     Memory is close to affine in the batch, so each guess is the secant through the two

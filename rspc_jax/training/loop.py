@@ -28,7 +28,7 @@ from rspc_jax.evaluation import run_suites
 from rspc_jax.evaluation.suites import clean as clean_suite
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import state_dicts as interop
-from rspc_jax.training import host_memory, setup, workdir_lock
+from rspc_jax.training import host_memory, memory_check, setup, workdir_lock
 from rspc_jax.training import reporting as metrics_lib
 from rspc_jax.training import step as train_step_lib
 
@@ -81,29 +81,41 @@ def _record_file(message: str) -> str | None:
     return found.group(0).rstrip(";:,'\"") if found else None
 
 
-def _last_checkpoint(workdir: str) -> int | None:
-    """The newest finished checkpoint step in `workdir`, None before the first."""
-    directory = os.path.join(workdir, "checkpoints")
-    steps = tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []
-    return max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
+def _resume_point(checkpoints: str) -> str:
+    """Which checkpoint in the folder `checkpoints` a rerun resumes from, as a sentence."""
+    steps = tf.io.gfile.listdir(checkpoints) if tf.io.gfile.isdir(checkpoints) else []
+    last = max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
+    if last is None:
+        return "No checkpoint was written yet"
+    return f"The checkpoint of step {last} in {checkpoints} is intact and stays the resume point"
+
+
+def _unreadable_record_file(folder: str, split: str) -> str | None:
+    """The first record file in `folder` that tf.data cannot read to its end, those of
+    `split` first: TensorFlow does not name the file of a truncated record."""
+    files = sorted(
+        tf.io.gfile.glob(os.path.join(folder, "*.tfrecord*")),
+        key=lambda path: f"-{split}." not in os.path.basename(path),
+    )
+    for path in files:
+        try:
+            tf.data.TFRecordDataset(path).reduce(0, lambda count, _: count + 1)
+        except tf.errors.OpError:
+            return path
+    return None
 
 
 def _damaged_data(config, workdir: str, error: tf.errors.OpError) -> DamagedDataError:
-    """The paragraph of a dataset whose record file cannot be read: which dataset (and file,
-    when TensorFlow names it), what is wrong, how to rebuild it, and where the run resumes."""
+    """The paragraph of a dataset whose record file cannot be read: which dataset and file
+    (the one TensorFlow names, else the first that does not read to its end), what is
+    wrong, how to rebuild it, and where the run resumes."""
     message = error.message.split(" [Op:")[0].split("}} ")[-1]
     builder = records.get_builder(config.dataset, config.data_dir)
     folder = builder.data_dir  # <data_dir>/<name>[/<config>]/<version>
     data_dir = folder.split(os.sep + builder.name + os.sep)[0]
-    path = _record_file(message)
-    which = f"{path}" if path else f"a record file in {folder} (TensorFlow does not say which)"
-    last = _last_checkpoint(workdir)
-    resume = (
-        f"The checkpoint of step {last} in {workdir}/checkpoints is intact and stays the resume "
-        "point"
-        if last is not None
-        else "No checkpoint was written yet"
-    )
+    path = _record_file(message) or _unreadable_record_file(folder, config.train_split or "train")
+    which = path or f"a record file in {folder} (each reads to its end now)"
+    resume = _resume_point(os.path.join(workdir, "checkpoints"))
     return DamagedDataError(
         f"dataset {config.dataset!r} is damaged: {which} cannot be read ({message}); it is "
         "shorter than its records say, garbled or gone, e.g. a copy cut off. Rebuild the "
@@ -296,6 +308,9 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
     )
     meta = _checkpoint_meta(config)
     start_step, state = _restore_or_initialize(config, state, ckpt, meta, mesh, schedule)
+    if start_step >= schedule.total_steps:
+        ckpt.close()
+        return _finished(workdir, state, start_step)
     if jax.process_index() == 0:
         checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
     best = BestKeeper(workdir, config, meta) if config.keep_best else None
@@ -315,10 +330,7 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
         lock=lock,
     )
     try:
-        if start_step < schedule.total_steps:
-            state, step, final = _train(run, state, should_stop)
-        else:  # a finished run: its last state is evaluated again
-            step, final = start_step, run.evaluate(start_step, state)
+        state, step, final = _train(run, state, should_stop)
     finally:
         ckpt.close()  # waits for the save in flight and raises if it failed
         if best is not None:
@@ -327,6 +339,27 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
     if step == schedule.total_steps and jax.process_index() == 0:
         _log_done(run, final, workdir)
     return dict(state=state, step=step, total_steps=schedule.total_steps, **final)
+
+
+def _finished(workdir: str, state, step: int) -> dict:
+    """A finished run, rerun: says so and writes nothing (no evaluation again, no records);
+    returns what the run returned, its last evaluation read back from metrics.jsonl."""
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    last = [r for r in metrics_lib.read_metrics(metrics) if r.get("step") == step]
+    final = {}
+    for kind in ("eval", "eval_ema"):
+        values = {
+            k.split("/", 1)[1]: v for r in last for k, v in r.items() if k.startswith(kind + "/")
+        }
+        if values:
+            final[kind] = values
+    report = os.path.join(workdir, "eval", "report.md")
+    report = report if tf.io.gfile.exists(report) else metrics
+    logging.info(
+        f"This run is done: step {step} of {step}; its report is at {report}. Nothing was "
+        "written; pass another --workdir to train a new run."
+    )
+    return dict(state=state, step=step, total_steps=step, **final)
 
 
 def _checkpoint_meta(config) -> dict:
@@ -482,11 +515,27 @@ class _Run:
 
 
 def _train(run: _Run, state, should_stop) -> tuple:
+    """`_steps`, with XLA's RESOURCE_EXHAUSTED (at compile or at a step) as one paragraph
+    (memory_check.ran_out), after the save in flight is complete."""
+    checked = {}  # the step's footprint and memory limit, once it compiled
+    try:
+        return _steps(run, state, should_stop, checked)
+    except jax.errors.JaxRuntimeError as error:
+        if not memory_check.is_resource_exhausted(error):
+            raise
+        run.ckpt.wait_until_finished()
+        resume = _resume_point(run.ckpt.directory)
+        raise memory_check.ran_out(
+            run.config, checked.get("footprint"), checked.get("limit"), error, resume
+        ) from error
+
+
+def _steps(run: _Run, state, should_stop, checked: dict) -> tuple:
     """Steps from `run.start_step` to the end of the schedule or a stop request (SIGTERM,
     SIGINT, `should_stop`), with the records, evaluations and checkpoints of the steps
     where they fall. Returns (state, step reached, last evaluation)."""
     config, step, final = run.config, run.start_step, {}
-    batches, memory = _compiled_ahead(run, state)
+    batches, memory = _compiled_ahead(run, state, checked)
     pending = _PendingMetrics(step)
     stop = StopRequest()
     with stop.installed():
@@ -513,16 +562,37 @@ def _train(run: _Run, state, should_stop) -> tuple:
     return state, step, final
 
 
-def _compiled_ahead(run: _Run, state) -> tuple:
+def _compiled_ahead(run: _Run, state, checked: dict) -> tuple:
     """(the training batches, the loop's host-memory hook): the step programs compiled on
-    the first batch, which goes back in front of the batches."""
+    the first batch, which goes back in front of the batches, and checked against the
+    memory they will have (`_check_memory`, which fills `checked`)."""
     first_batch = next(run.batches)
     lowered = [run.parts.train_step.lower(state, first_batch)]
     if run.parts.train_steps is not None:
         in_sequence = (first_batch,) * run.config.steps_per_call
         lowered.append(run.parts.train_steps.lower(state, in_sequence))
-    memory = host_memory.StepMemory.compiled_ahead(lowered, calls_block=run.blocks)
+    memory = host_memory.StepMemory.compiled_ahead(
+        lowered,
+        calls_block=run.blocks,
+        check=lambda programs: _check_memory(run.config, programs, state, first_batch, checked),
+    )
     return itertools.chain([first_batch], run.batches), memory
+
+
+def _check_memory(config, programs: list, state, first_batch, checked: dict) -> None:
+    """Refuses a step that does not fit the memory it will run in (memory_check), unless
+    config.memory_check is off; keeps its footprint and limit in `checked`."""
+    found = memory_check.footprint(config, programs, state, first_batch)
+    resident = sum(
+        shard.data.nbytes
+        for leaf in jax.tree.leaves((state, first_batch))
+        for shard in leaf.addressable_shards
+    )
+    limit = memory_check.limit(resident)
+    checked.update(footprint=found, limit=limit)
+    memory_check.log_fit(found, limit)
+    if config.memory_check and limit is not None and not memory_check.fits(found.estimate, limit):
+        raise memory_check.refusal(config, found, limit)
 
 
 def _check_saves(run: _Run, step: int) -> None:
