@@ -116,12 +116,7 @@ def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool
     config.grad_accum_steps = 1  # one micro-batch per compiled step
     mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), (parallel.DATA_AXIS,))
     spec = datasets.dataset_spec(config.dataset)
-    sharding = parallel.batch_sharded(mesh)
-    image = (per_device_batch, config.image_size, config.image_size, 3)
-    batch = {
-        "image": jax.ShapeDtypeStruct(image, np.float32, sharding=sharding),
-        "label": jax.ShapeDtypeStruct((per_device_batch,), np.int32, sharding=sharding),
-    }
+    batch = setup.abstract_batch(mesh, per_device_batch, config.image_size)
     with ops.implementations(
         window_ops="xla", cpu_schedule="xla", cpu_products="xla", dense_gradient="xla"
     ):

@@ -3,7 +3,6 @@
 from collections.abc import Callable, Iterator
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -81,10 +80,15 @@ def _record_file(message: str) -> str | None:
     return found.group(0).rstrip(";:,'\"") if found else None
 
 
+def _latest_step(checkpoints: str) -> int | None:
+    """The newest finished checkpoint step in the folder `checkpoints`, None before the first."""
+    steps = tf.io.gfile.listdir(checkpoints) if tf.io.gfile.isdir(checkpoints) else []
+    return max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
+
+
 def _resume_point(checkpoints: str) -> str:
     """Which checkpoint in the folder `checkpoints` a rerun resumes from, as a sentence."""
-    steps = tf.io.gfile.listdir(checkpoints) if tf.io.gfile.isdir(checkpoints) else []
-    last = max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
+    last = _latest_step(checkpoints)
     if last is None:
         return "No checkpoint was written yet"
     return f"The checkpoint of step {last} in {checkpoints} is intact and stays the resume point"
@@ -286,31 +290,46 @@ def train_and_evaluate(
     setup.validate_config(config)
     workdir = resolve_workdir(workdir)
     with _workdir_locked(workdir, force_unlock) as lock:
+        checked = {}  # the step's footprint and memory limit, once it compiled
         try:
-            return _train_and_evaluate(config, workdir, should_stop, lock)
+            return _train_and_evaluate(config, workdir, should_stop, lock, checked)
         except (tf.errors.DataLossError, tf.errors.NotFoundError) as error:
             if isinstance(error, tf.errors.NotFoundError) and not _record_file(error.message):
                 raise
             raise _damaged_data(config, workdir, error) from None
+        except jax.errors.JaxRuntimeError as error:  # raised after the save in flight is done
+            if not memory_check.is_resource_exhausted(error):
+                raise
+            resume = _resume_point(os.path.join(workdir, "checkpoints"))
+            found, limit = checked.get("footprint"), checked.get("limit")
+            raise memory_check.ran_out(config, found, limit, error, resume) from error
 
 
-def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
-    """train_and_evaluate in a locked, existing `workdir`."""
+def _train_and_evaluate(config, workdir, should_stop, lock, checked: dict) -> dict:
+    """train_and_evaluate in a locked, existing `workdir`; `checked` receives the step's
+    memory footprint and limit (`_compiled_ahead`)."""
     spec = datasets.dataset_spec(config.dataset)
     model = setup.build_model(config, spec.num_classes)
     setup.check_model_fits(config, model)
     schedule = _schedule(config, spec)
     mesh = parallel.create_mesh()
     parts = setup.build(config, model, spec, mesh, schedule.steps_per_epoch, schedule.total_steps)
-    state = parts.init(jax.random.PRNGKey(config.seed))
     ckpt = checkpointing.Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
     )
+    memory = None
+    if (_latest_step(ckpt.directory) or 0) < schedule.total_steps:
+        # Before the state exists: a step that cannot fit stops before anything is allocated.
+        memory = _compiled_ahead(config, parts, mesh, checked)
+    state = parts.init(jax.random.PRNGKey(config.seed))
     meta = _checkpoint_meta(config)
     start_step, state = _restore_or_initialize(config, state, ckpt, meta, mesh, schedule)
     if start_step >= schedule.total_steps:
         ckpt.close()
         return _finished(workdir, state, start_step)
+    if memory is None:  # the finished run's last checkpoint was unreadable and set aside
+        memory = _compiled_ahead(config, parts, mesh, checked, state)
+    memory.release()  # what compiling the state's initialiser left
     if jax.process_index() == 0:
         checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
     best = BestKeeper(workdir, config, meta) if config.keep_best else None
@@ -328,6 +347,7 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
         meta=meta,
         logger=logger,
         lock=lock,
+        memory=memory,
     )
     try:
         state, step, final = _train(run, state, should_stop)
@@ -479,6 +499,13 @@ def _evaluator(config, model, mesh, logger, best) -> Callable:
     return evaluate
 
 
+def _blocks(config) -> bool:
+    """Whether each step call blocks on its outputs: on CPU by default, where queued
+    collectives deadlock on few cores."""
+    choice = config.block_each_step
+    return choice == "yes" or (choice == "auto" and jax.devices()[0].platform == "cpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """What stays the same through a run's steps."""
@@ -493,13 +520,11 @@ class _Run:
     meta: dict  # what a checkpoint records of the config
     logger: metrics_lib.MetricsLogger
     lock: workdir_lock.WorkdirLock | None  # process 0's hold on the workdir
+    memory: host_memory.StepMemory  # the loop's hook into host memory
 
     @property
     def blocks(self) -> bool:
-        """Whether each step call blocks on its outputs: on CPU by default, where queued
-        collectives deadlock on few cores."""
-        choice = self.config.block_each_step
-        return choice == "yes" or (choice == "auto" and jax.devices()[0].platform == "cpu")
+        return _blocks(self.config)
 
     def is_steady(self, step: int) -> bool:
         return _is_steady(
@@ -515,27 +540,10 @@ class _Run:
 
 
 def _train(run: _Run, state, should_stop) -> tuple:
-    """`_steps`, with XLA's RESOURCE_EXHAUSTED (at compile or at a step) as one paragraph
-    (memory_check.ran_out), after the save in flight is complete."""
-    checked = {}  # the step's footprint and memory limit, once it compiled
-    try:
-        return _steps(run, state, should_stop, checked)
-    except jax.errors.JaxRuntimeError as error:
-        if not memory_check.is_resource_exhausted(error):
-            raise
-        run.ckpt.wait_until_finished()
-        resume = _resume_point(run.ckpt.directory)
-        raise memory_check.ran_out(
-            run.config, checked.get("footprint"), checked.get("limit"), error, resume
-        ) from error
-
-
-def _steps(run: _Run, state, should_stop, checked: dict) -> tuple:
     """Steps from `run.start_step` to the end of the schedule or a stop request (SIGTERM,
     SIGINT, `should_stop`), with the records, evaluations and checkpoints of the steps
     where they fall. Returns (state, step reached, last evaluation)."""
-    config, step, final = run.config, run.start_step, {}
-    batches, memory = _compiled_ahead(run, state, checked)
+    config, step, final, memory, batches = run.config, run.start_step, {}, run.memory, run.batches
     pending = _PendingMetrics(step)
     stop = StopRequest()
     with stop.installed():
@@ -562,32 +570,31 @@ def _steps(run: _Run, state, should_stop, checked: dict) -> tuple:
     return state, step, final
 
 
-def _compiled_ahead(run: _Run, state, checked: dict) -> tuple:
-    """(the training batches, the loop's host-memory hook): the step programs compiled on
-    the first batch, which goes back in front of the batches, and checked against the
-    memory they will have (`_check_memory`, which fills `checked`)."""
-    first_batch = next(run.batches)
-    lowered = [run.parts.train_step.lower(state, first_batch)]
-    if run.parts.train_steps is not None:
-        in_sequence = (first_batch,) * run.config.steps_per_call
-        lowered.append(run.parts.train_steps.lower(state, in_sequence))
-    memory = host_memory.StepMemory.compiled_ahead(
-        lowered,
-        calls_block=run.blocks,
-        check=lambda programs: _check_memory(run.config, programs, state, first_batch, checked),
-    )
-    return itertools.chain([first_batch], run.batches), memory
-
-
-def _check_memory(config, programs: list, state, first_batch, checked: dict) -> None:
-    """Refuses a step that does not fit the memory it will run in (memory_check), unless
-    config.memory_check is off; keeps its footprint and limit in `checked`."""
-    found = memory_check.footprint(config, programs, state, first_batch)
+def _compiled_ahead(config, parts: setup.Parts, mesh, checked: dict, state=None):
+    """The loop's host-memory hook (host_memory.StepMemory), after compiling the step programs
+    for the state's and batch's shapes (the first call then finds them cached) and checking
+    them against the memory they will have (`_check_memory`, which fills `checked`); `state`
+    is the live state if there is one already."""
+    abstract = parts.state_shapes
+    batch = setup.abstract_batch(mesh, config.batch_size, config.image_size)
+    lowered = [parts.train_step.lower(abstract, batch)]
+    if parts.train_steps is not None:
+        lowered.append(parts.train_steps.lower(abstract, (batch,) * config.steps_per_call))
     resident = sum(
-        shard.data.nbytes
-        for leaf in jax.tree.leaves((state, first_batch))
-        for shard in leaf.addressable_shards
+        shard.data.nbytes for leaf in jax.tree.leaves(state) for shard in leaf.addressable_shards
     )
+    return host_memory.StepMemory.compiled_ahead(
+        lowered,
+        calls_block=_blocks(config),
+        check=lambda programs: _check_memory(config, programs, abstract, resident, checked),
+    )
+
+
+def _check_memory(config, programs: list, state, resident: int, checked: dict) -> None:
+    """Refuses a step that does not fit the memory it will run in (memory_check), unless
+    config.memory_check is off; keeps its footprint and limit in `checked`. `resident`:
+    bytes of the step's arguments that this process holds already."""
+    found = memory_check.footprint(config, programs, state)
     limit = memory_check.limit(resident)
     checked.update(footprint=found, limit=limit)
     memory_check.log_fit(found, limit)

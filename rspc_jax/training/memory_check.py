@@ -78,12 +78,12 @@ class Footprint:
         return int(fixed + per_image * (self.per_device // accum_steps))
 
 
-def footprint(config, programs: list, state, first_batch) -> Footprint:
+def footprint(config, programs: list, state) -> Footprint:
     """The Footprint of the largest of the compiled step `programs` (one step; several steps
-    per call), for `state` and the global `first_batch`."""
+    per call) for `state` (arrays or their shapes)."""
     compiled = max(programs, key=compiled_bytes)
     analysis = compiled.memory_analysis()
-    params = sum(leaf.nbytes for leaf in jax.tree.leaves(state.params))
+    params = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state.params))
     shards = jax.device_count() if config.sharding == "fsdp" else 1
     return Footprint(
         estimate=compiled_bytes(compiled),
@@ -122,9 +122,9 @@ def limit(resident: int) -> Limit | None:
     devices = jax.local_device_count()
     return Limit(
         (available + resident) // devices,
-        f"the memory this process can still take ({available / GiB:.1f} GiB: the machine's "
-        f"available memory and its cgroup limit) plus the {resident / GiB:.1f} GiB of state "
-        "and batch it holds already"
+        "the memory this process can still take: the machine's available memory and its "
+        "cgroup limit"
+        + (f", plus the {resident / GiB:.1f} GiB of state it holds already" if resident else "")
         + (f", shared by {devices} CPU devices" if devices > 1 else ""),
     )
 
