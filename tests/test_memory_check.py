@@ -10,6 +10,7 @@ from conftest import REPO, on_each_train_call, run_python, smoke_config
 import jax
 import pytest
 
+from rspc_jax import ConfigError
 from rspc_jax.training import loop as train
 from rspc_jax.training import memory_check
 
@@ -79,6 +80,12 @@ def test_the_suggested_accumulation_is_the_fewest_micro_batches_that_fit(digits_
     )
     assert memory_check.fits(int(4.75 * GiB), roomy)  # 5% of the limit is kept free
     assert not memory_check.fits(int(4.8 * GiB), roomy)
+
+
+def test_a_forced_limit_that_is_not_a_size_is_refused(monkeypatch):
+    monkeypatch.setenv(memory_check.LIMIT_ENV, "6GB")
+    with pytest.raises(ConfigError, match="RSPC_JAX_MEMORY_LIMIT_GIB='6GB' is not a number"):
+        memory_check.limit(resident=0)
 
 
 def test_this_machines_limit_is_what_it_has_available():

@@ -22,7 +22,7 @@ import sys
 from absl import logging
 import jax
 
-from rspc_jax import ReportedError, models
+from rspc_jax import ConfigError, ReportedError, models
 
 GiB = 2**30
 LIMIT_ENV = "RSPC_JAX_MEMORY_LIMIT_GIB"
@@ -115,7 +115,7 @@ def limit(resident: int) -> Limit | None:
     devices) that it holds already, shared by the host's devices. None where unknown."""
     forced = os.environ.get(LIMIT_ENV)
     if forced:
-        return Limit(int(float(forced) * GiB), f"{LIMIT_ENV}={forced}")
+        return Limit(int(_forced_gib(forced) * GiB), f"{LIMIT_ENV}={forced}")
     device = jax.local_devices()[0]
     if device.platform != "cpu":
         stats = device.memory_stats() or {}
@@ -133,6 +133,20 @@ def limit(resident: int) -> Limit | None:
         + (f", plus the {resident / GiB:.1f} GiB of state it holds already" if resident else "")
         + (f", shared by {devices} CPU devices" if devices > 1 else ""),
     )
+
+
+def _forced_gib(value: str) -> float:
+    """The GiB of RSPC_JAX_MEMORY_LIMIT_GIB, refused in a paragraph unless a number > 0."""
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = 0.0
+    if not gib > 0:
+        raise ConfigError(
+            f"{LIMIT_ENV}={value!r} is not a number of GiB > 0: set it to the memory one "
+            "device's step may take (e.g. 6), or unset it to measure the device's."
+        )
+    return gib
 
 
 def host_available_bytes() -> int | None:
