@@ -150,3 +150,17 @@ def test_resource_exhausted_at_a_step_is_the_paragraph_and_the_last_checkpoint_s
     ):
         assert part in text, text
     assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
+
+
+def test_a_finished_run_whose_last_checkpoint_is_unreadable_trains_its_last_steps_again(
+    finished_run, tmp_path
+):
+    """The step is compiled (and checked) only once the restore shows that steps are left."""
+    config, base, _ = finished_run
+    workdir = shutil.copytree(base, tmp_path / "run")
+    for data in (workdir / "checkpoints" / "2" / "state").rglob("d/*"):
+        os.truncate(data, data.stat().st_size // 2)
+    result = train.train_and_evaluate(config, str(workdir))
+    assert result["step"] == 2
+    assert os.listdir(workdir / "checkpoints.unreadable") == ["2"]
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2"]
