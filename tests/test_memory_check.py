@@ -47,7 +47,7 @@ def test_a_step_over_a_small_limit_is_refused_before_anything_runs(digits_data_d
         "--config.remat=True",
         "a smaller --config.batch_size",
         f"python -m rspc_jax.plan --config={REPO}/configs/demo.py:smoke",
-        "config.memory_check=False runs it anyway",
+        "--config.memory_check=False runs it anyway",
     ):
         assert part in text, text
     checkpoints = workdir / "checkpoints"

@@ -231,7 +231,7 @@ def refusal(config, found: Footprint, step_limit: Limit) -> OutOfMemoryError:
         f"per device (XLA's estimate of the compiled step: state, batch, outputs and "
         f"temporaries) and the limit is {step_limit.bytes / GiB:.2f} GiB "
         f"({step_limit.source}). {_run_words(config, found)} Nothing was trained or saved. "
-        f"{fixes(config, found, step_limit)} config.memory_check=False runs it anyway."
+        f"{fixes(config, found, step_limit)} --config.memory_check=False runs it anyway."
     )
 
 
