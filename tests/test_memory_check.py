@@ -74,6 +74,9 @@ def test_the_suggested_accumulation_is_the_fewest_micro_batches_that_fit(digits_
         "--config.grad_accum_steps=16 (micro-batches of 4 images per device; the global batch "
         "of 64 stays): about 4.44 GiB" in _text(memory_check.fixes(config, found, roomy))
     )
+    assert "`python -m rspc_jax.plan --config=<the run's config file>`" in _text(
+        memory_check.fixes(config, found, roomy)
+    )  # pytest's arguments hold no --config
     tight = memory_check.Limit(3 * GiB, "test")
     assert "no micro-batch fits: even one image per micro-step (--config.grad_accum_steps=64)" in (
         _text(memory_check.fixes(config, found, tight))

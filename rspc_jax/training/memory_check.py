@@ -317,7 +317,8 @@ def _accumulation(config, found: Footprint, step_limit: Limit | None) -> str:
 def _plan_command() -> str:
     """`python -m rspc_jax.plan` with this command's --config flags (or a placeholder)."""
     configs = [a for a in sys.argv[1:] if a.startswith("--config")]
-    return shlex.join(["python", "-m", "rspc_jax.plan", *(configs or ["--config=<your config>"])])
+    flags = shlex.join(configs) if configs else "--config=<the run's config file>"
+    return f"python -m rspc_jax.plan {flags}"
 
 
 def is_resource_exhausted(error: BaseException) -> bool:
