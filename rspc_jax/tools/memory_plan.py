@@ -28,6 +28,7 @@ from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.models import ops
 from rspc_jax.training import ablations, setup
+from rspc_jax.training.memory_check import compiled_bytes
 
 GiB = 2**30
 
@@ -106,20 +107,6 @@ def variant_config(config, name: str):
     return ablations.apply(config, name)
 
 
-def compiled_bytes(compiled) -> int:
-    """XLA's estimate of one device's memory for a compiled step: arguments, outputs and
-    temporaries, less the donated buffers that outputs reuse."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return 0
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
-
-
 def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool = False) -> int:
     """XLA's memory estimate (bytes) of one device's train step of `variant` ('plain', 'rspc'
     or an ablation) at `per_device_batch` images, compiled without allocating anything. The
@@ -129,12 +116,7 @@ def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool
     config.grad_accum_steps = 1  # one micro-batch per compiled step
     mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), (parallel.DATA_AXIS,))
     spec = datasets.dataset_spec(config.dataset)
-    sharding = parallel.batch_sharded(mesh)
-    image = (per_device_batch, config.image_size, config.image_size, 3)
-    batch = {
-        "image": jax.ShapeDtypeStruct(image, np.float32, sharding=sharding),
-        "label": jax.ShapeDtypeStruct((per_device_batch,), np.int32, sharding=sharding),
-    }
+    batch = setup.abstract_batch(mesh, per_device_batch, config.image_size)
     with ops.implementations(
         window_ops="xla", cpu_schedule="xla", cpu_products="xla", dense_gradient="xla"
     ):

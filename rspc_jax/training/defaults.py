@@ -211,4 +211,9 @@ def get_default_config() -> ml_collections.ConfigDict:
     # should_stop) is seen at the end of a call. 1 = one step per call.
     c.steps_per_call = 1
     c.distributed = "auto"  # jax.distributed.initialize: 'auto' | 'yes' | 'no'
+    # Before the first step, compare XLA's memory estimate of the compiled train step with the
+    # memory it will have (the device's; on CPU what the process can take) and stop with the
+    # numbers and the fixes when it does not fit (rspc_jax/training/memory_check.py; the
+    # environment variable RSPC_JAX_MEMORY_LIMIT_GIB sets the limit). False = run anyway.
+    c.memory_check = True
     return c

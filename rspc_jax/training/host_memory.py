@@ -92,12 +92,16 @@ class StepMemory:
         self._temp_bytes = temp_bytes
 
     @classmethod
-    def compiled_ahead(cls, lowered: list, *, calls_block: bool) -> "StepMemory":
+    def compiled_ahead(cls, lowered: list, *, calls_block: bool, check=None) -> "StepMemory":
         """Compiles the lowered step programs before the first step runs (which then finds
         them cached) and returns the compiler's freed memory to the OS before the step's
         buffers are allocated. Where the step calls block on their outputs
-        (`calls_block`), each then waits for the largest program's temporaries."""
+        (`calls_block`), each then waits for the largest program's temporaries.
+        `check(programs)` sees the compiled programs before they are dropped (the loop's
+        memory check, training.memory_check), so that nothing compiles twice."""
         programs = [program.compile() for program in lowered]
+        if check is not None:
+            check(programs)
         temp_bytes = max(map(host_temporary_bytes, programs))
         del programs
         release_freed_memory()

@@ -3,7 +3,6 @@
 from collections.abc import Callable, Iterator
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import re
@@ -28,7 +27,7 @@ from rspc_jax.evaluation import run_suites
 from rspc_jax.evaluation.suites import clean as clean_suite
 from rspc_jax.interop import checkpoints as checkpointing
 from rspc_jax.interop import state_dicts as interop
-from rspc_jax.training import host_memory, setup, workdir_lock
+from rspc_jax.training import host_memory, memory_check, setup, workdir_lock
 from rspc_jax.training import reporting as metrics_lib
 from rspc_jax.training import step as train_step_lib
 
@@ -81,29 +80,46 @@ def _record_file(message: str) -> str | None:
     return found.group(0).rstrip(";:,'\"") if found else None
 
 
-def _last_checkpoint(workdir: str) -> int | None:
-    """The newest finished checkpoint step in `workdir`, None before the first."""
-    directory = os.path.join(workdir, "checkpoints")
-    steps = tf.io.gfile.listdir(directory) if tf.io.gfile.isdir(directory) else []
+def _latest_step(checkpoints: str) -> int | None:
+    """The newest finished checkpoint step in the folder `checkpoints`, None before the first."""
+    steps = tf.io.gfile.listdir(checkpoints) if tf.io.gfile.isdir(checkpoints) else []
     return max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
 
 
+def _resume_point(checkpoints: str) -> str:
+    """Which checkpoint in the folder `checkpoints` a rerun resumes from, as a sentence."""
+    last = _latest_step(checkpoints)
+    if last is None:
+        return "No checkpoint was written yet"
+    return f"The checkpoint of step {last} in {checkpoints} is intact and stays the resume point"
+
+
+def _unreadable_record_file(folder: str, split: str) -> str | None:
+    """The first record file in `folder` that tf.data cannot read to its end, those of
+    `split` first: TensorFlow does not name the file of a truncated record."""
+    files = sorted(
+        tf.io.gfile.glob(os.path.join(folder, "*.tfrecord*")),
+        key=lambda path: f"-{split}." not in os.path.basename(path),
+    )
+    for path in files:
+        try:
+            tf.data.TFRecordDataset(path).reduce(0, lambda count, _: count + 1)
+        except tf.errors.OpError:
+            return path
+    return None
+
+
 def _damaged_data(config, workdir: str, error: tf.errors.OpError) -> DamagedDataError:
-    """The paragraph of a dataset whose record file cannot be read: which dataset (and file,
-    when TensorFlow names it), what is wrong, how to rebuild it, and where the run resumes."""
+    """The paragraph of a dataset whose record file cannot be read: which dataset and file
+    (the one TensorFlow names, else the first that does not read to its end), what is
+    wrong, how to rebuild it, and where the run resumes."""
     message = error.message.split(" [Op:")[0].split("}} ")[-1]
     builder = records.get_builder(config.dataset, config.data_dir)
     folder = builder.data_dir  # <data_dir>/<name>[/<config>]/<version>
     data_dir = folder.split(os.sep + builder.name + os.sep)[0]
-    path = _record_file(message)
-    which = f"{path}" if path else f"a record file in {folder} (TensorFlow does not say which)"
-    last = _last_checkpoint(workdir)
-    resume = (
-        f"The checkpoint of step {last} in {workdir}/checkpoints is intact and stays the resume "
-        "point"
-        if last is not None
-        else "No checkpoint was written yet"
-    )
+    path = _record_file(message) or _unreadable_record_file(folder, config.train_split or "train")
+    which = path or f"a record file in {folder} (each reads to its end now)"
+    resume = _resume_point(os.path.join(workdir, "checkpoints"))
     return DamagedDataError(
         f"dataset {config.dataset!r} is damaged: {which} cannot be read ({message}); it is "
         "shorter than its records say, garbled or gone, e.g. a copy cut off. Rebuild the "
@@ -274,28 +290,46 @@ def train_and_evaluate(
     setup.validate_config(config)
     workdir = resolve_workdir(workdir)
     with _workdir_locked(workdir, force_unlock) as lock:
+        checked = {}  # the step's footprint and memory limit, once it compiled
         try:
-            return _train_and_evaluate(config, workdir, should_stop, lock)
+            return _train_and_evaluate(config, workdir, should_stop, lock, checked)
         except (tf.errors.DataLossError, tf.errors.NotFoundError) as error:
             if isinstance(error, tf.errors.NotFoundError) and not _record_file(error.message):
                 raise
             raise _damaged_data(config, workdir, error) from None
+        except jax.errors.JaxRuntimeError as error:  # raised after the save in flight is done
+            if not memory_check.is_resource_exhausted(error):
+                raise
+            resume = _resume_point(os.path.join(workdir, "checkpoints"))
+            found, limit = checked.get("footprint"), checked.get("limit")
+            raise memory_check.ran_out(config, found, limit, error, resume) from error
 
 
-def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
-    """train_and_evaluate in a locked, existing `workdir`."""
+def _train_and_evaluate(config, workdir, should_stop, lock, checked: dict) -> dict:
+    """train_and_evaluate in a locked, existing `workdir`; `checked` receives the step's
+    memory footprint and limit (`_compiled_ahead`)."""
     spec = datasets.dataset_spec(config.dataset)
     model = setup.build_model(config, spec.num_classes)
     setup.check_model_fits(config, model)
     schedule = _schedule(config, spec)
     mesh = parallel.create_mesh()
     parts = setup.build(config, model, spec, mesh, schedule.steps_per_epoch, schedule.total_steps)
-    state = parts.init(jax.random.PRNGKey(config.seed))
     ckpt = checkpointing.Checkpointer(
         os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
     )
+    memory = None
+    if (_latest_step(ckpt.directory) or 0) < schedule.total_steps:
+        # Before the state exists: a step that cannot fit stops before anything is allocated.
+        memory = _compiled_ahead(config, parts, mesh, checked)
+    state = parts.init(jax.random.PRNGKey(config.seed))
     meta = _checkpoint_meta(config)
     start_step, state = _restore_or_initialize(config, state, ckpt, meta, mesh, schedule)
+    if start_step >= schedule.total_steps:
+        ckpt.close()
+        return _finished(workdir, state, start_step)
+    if memory is None:  # the finished run's last checkpoint was unreadable and set aside
+        memory = _compiled_ahead(config, parts, mesh, checked, state)
+    memory.release()  # what compiling the state's initialiser left
     if jax.process_index() == 0:
         checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
     best = BestKeeper(workdir, config, meta) if config.keep_best else None
@@ -313,12 +347,10 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
         meta=meta,
         logger=logger,
         lock=lock,
+        memory=memory,
     )
     try:
-        if start_step < schedule.total_steps:
-            state, step, final = _train(run, state, should_stop)
-        else:  # a finished run: its last state is evaluated again
-            step, final = start_step, run.evaluate(start_step, state)
+        state, step, final = _train(run, state, should_stop)
     finally:
         ckpt.close()  # waits for the save in flight and raises if it failed
         if best is not None:
@@ -327,6 +359,27 @@ def _train_and_evaluate(config, workdir, should_stop, lock) -> dict:
     if step == schedule.total_steps and jax.process_index() == 0:
         _log_done(run, final, workdir)
     return dict(state=state, step=step, total_steps=schedule.total_steps, **final)
+
+
+def _finished(workdir: str, state, step: int) -> dict:
+    """A finished run, rerun: says so and writes nothing (no evaluation again, no records);
+    returns what the run returned, its last evaluation read back from metrics.jsonl."""
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    last = [r for r in metrics_lib.read_metrics(metrics) if r.get("step") == step]
+    final = {}
+    for kind in ("eval", "eval_ema"):
+        values = {
+            k.split("/", 1)[1]: v for r in last for k, v in r.items() if k.startswith(kind + "/")
+        }
+        if values:
+            final[kind] = values
+    report = os.path.join(workdir, "eval", "report.md")
+    report = report if tf.io.gfile.exists(report) else metrics
+    logging.info(
+        f"This run is done: step {step} of {step}; its report is at {report}. Nothing was "
+        "written; pass another --workdir to train a new run."
+    )
+    return dict(state=state, step=step, total_steps=step, **final)
 
 
 def _checkpoint_meta(config) -> dict:
@@ -446,6 +499,13 @@ def _evaluator(config, model, mesh, logger, best) -> Callable:
     return evaluate
 
 
+def _blocks(config) -> bool:
+    """Whether each step call blocks on its outputs: on CPU by default, where queued
+    collectives deadlock on few cores."""
+    choice = config.block_each_step
+    return choice == "yes" or (choice == "auto" and jax.devices()[0].platform == "cpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """What stays the same through a run's steps."""
@@ -460,13 +520,11 @@ class _Run:
     meta: dict  # what a checkpoint records of the config
     logger: metrics_lib.MetricsLogger
     lock: workdir_lock.WorkdirLock | None  # process 0's hold on the workdir
+    memory: host_memory.StepMemory  # the loop's hook into host memory
 
     @property
     def blocks(self) -> bool:
-        """Whether each step call blocks on its outputs: on CPU by default, where queued
-        collectives deadlock on few cores."""
-        choice = self.config.block_each_step
-        return choice == "yes" or (choice == "auto" and jax.devices()[0].platform == "cpu")
+        return _blocks(self.config)
 
     def is_steady(self, step: int) -> bool:
         return _is_steady(
@@ -485,8 +543,7 @@ def _train(run: _Run, state, should_stop) -> tuple:
     """Steps from `run.start_step` to the end of the schedule or a stop request (SIGTERM,
     SIGINT, `should_stop`), with the records, evaluations and checkpoints of the steps
     where they fall. Returns (state, step reached, last evaluation)."""
-    config, step, final = run.config, run.start_step, {}
-    batches, memory = _compiled_ahead(run, state)
+    config, step, final, memory, batches = run.config, run.start_step, {}, run.memory, run.batches
     pending = _PendingMetrics(step)
     stop = StopRequest()
     with stop.installed():
@@ -513,16 +570,36 @@ def _train(run: _Run, state, should_stop) -> tuple:
     return state, step, final
 
 
-def _compiled_ahead(run: _Run, state) -> tuple:
-    """(the training batches, the loop's host-memory hook): the step programs compiled on
-    the first batch, which goes back in front of the batches."""
-    first_batch = next(run.batches)
-    lowered = [run.parts.train_step.lower(state, first_batch)]
-    if run.parts.train_steps is not None:
-        in_sequence = (first_batch,) * run.config.steps_per_call
-        lowered.append(run.parts.train_steps.lower(state, in_sequence))
-    memory = host_memory.StepMemory.compiled_ahead(lowered, calls_block=run.blocks)
-    return itertools.chain([first_batch], run.batches), memory
+def _compiled_ahead(config, parts: setup.Parts, mesh, checked: dict, state=None):
+    """The loop's host-memory hook (host_memory.StepMemory), after compiling the step programs
+    for the state's and batch's shapes (the first call then finds them cached) and checking
+    them against the memory they will have (`_check_memory`, which fills `checked`); `state`
+    is the live state if there is one already."""
+    abstract = parts.state_shapes
+    batch = setup.abstract_batch(mesh, config.batch_size, config.image_size)
+    lowered = [parts.train_step.lower(abstract, batch)]
+    if parts.train_steps is not None:
+        lowered.append(parts.train_steps.lower(abstract, (batch,) * config.steps_per_call))
+    resident = sum(
+        shard.data.nbytes for leaf in jax.tree.leaves(state) for shard in leaf.addressable_shards
+    )
+    return host_memory.StepMemory.compiled_ahead(
+        lowered,
+        calls_block=_blocks(config),
+        check=lambda programs: _check_memory(config, programs, abstract, resident, checked),
+    )
+
+
+def _check_memory(config, programs: list, state, resident: int, checked: dict) -> None:
+    """Refuses a step that does not fit the memory it will run in (memory_check), unless
+    config.memory_check is off; keeps its footprint and limit in `checked`. `resident`:
+    bytes of the step's arguments that this process holds already."""
+    found = memory_check.footprint(config, programs, state)
+    limit = memory_check.limit(resident)
+    checked.update(footprint=found, limit=limit)
+    memory_check.log_fit(found, limit)
+    if config.memory_check and limit is not None and not memory_check.fits(found.estimate, limit):
+        raise memory_check.refusal(config, found, limit)
 
 
 def _check_saves(run: _Run, step: int) -> None:

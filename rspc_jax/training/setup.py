@@ -3,7 +3,7 @@ step's static settings, the optimizers and the jitted sharded train step."""
 
 from collections.abc import Callable
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +159,20 @@ class Parts(NamedTuple):
     # (state, tuple of config.steps_per_call global batches) -> (state, metrics stacked over
     # the steps); None when steps_per_call is 1.
     train_steps: Callable | None = None
+    # The state's shapes, dtypes and shardings (jax.ShapeDtypeStruct): to compile the steps
+    # for before the state exists (the loop's memory check), as the state itself would.
+    state_shapes: Any = None
+
+
+def abstract_batch(mesh, batch_size: int, image_size: int) -> dict:
+    """The shapes of a global training batch on `mesh` (as the data pipeline makes it), to
+    compile the step for before any batch exists."""
+    sharding = parallel.batch_sharded(mesh)
+    image = (batch_size, image_size, image_size, 3)
+    return {
+        "image": jax.ShapeDtypeStruct(image, jnp.float32, sharding=sharding),
+        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding),
+    }
 
 
 def _dropping_its_program(init: Callable) -> Callable:
@@ -201,9 +215,11 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
         ema=config.ema_decay > 0,
         ema_batch_stats=config.ema_batch_stats,
     )
-    specs = state_specs(jax.eval_shape(create, jax.random.PRNGKey(0)), config.sharding, mesh.size)
+    shapes = jax.eval_shape(create, jax.random.PRNGKey(0))
+    specs = state_specs(shapes, config.sharding, mesh.size)
+    shardings = parallel.shardings(mesh, specs)
     # A fresh state is created in its layout, and a checkpoint restores into it.
-    init = _dropping_its_program(jax.jit(create, out_shardings=parallel.shardings(mesh, specs)))
+    init = _dropping_its_program(jax.jit(create, out_shardings=shardings))
     make_step = functools.partial(
         train_step_lib.make_train_step,
         mesh,
@@ -216,4 +232,9 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
         settings=step_settings(config, spec, steps_per_epoch),
     )
     several = config.steps_per_call
-    return Parts(init, make_step(), make_step(steps=several) if several > 1 else None)
+    shapes = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        shapes,
+        shardings,
+    )
+    return Parts(init, make_step(), make_step(steps=several) if several > 1 else None, shapes)
