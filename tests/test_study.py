@@ -78,6 +78,25 @@ def test_per_image_study_chooses_on_held_out_training_digits(digits_data_dir):
         study_runner.check(config)
 
 
+def test_payoff_study_measures_unseen_corruptions_and_chooses_on_validation_digits():
+    """The payoff study (issue 66): the corruption suite on; its validation variant trains on
+    training digits 0-1199 and evaluates on 1200-1499, the study itself on the test split."""
+    _, validation = load_config(REPO / "configs" / "demo_study.py", "payoff_validation")
+    _, final = load_config(REPO / "configs" / "demo_study.py", "payoff")
+    assert (validation.train_split, validation.eval_split) == ("train[:1200]", "train[1200:]")
+    assert final.train_split is None and final.eval_split is None
+    assert validation.study.seeds == (0,) and len(final.study.seeds) == 8
+    for config in (validation, final):
+        assert "corrupted_local" in config.evaluation.suites.split(",")
+        assert set(config.study.settings) == {"canvas16", "textured16"}
+        study_runner.check(config)
+        methods = config.study.settings.canvas16.methods
+        assert {"clean", "random_patches lam=0.5", "rspc lam=0.5"} <= set(methods)
+        # every learned method pairs with random patches at lambda 0.5
+        learned = [m for m in methods if m.startswith("rspc")]
+        assert {study_runner.random_twin(m) for m in learned} == {"random_patches lam=0.5"}
+
+
 @pytest.mark.parametrize("method", ["rspc lamda=0.5", "no_such_method"])
 def test_bad_method_fails_before_training(digits_data_dir, tmp_path, method):
     config = _smoke_config(digits_data_dir)
