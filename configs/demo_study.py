@@ -21,6 +21,14 @@ content`) and random patches, with plain and clean + corrupted. `:per_image_vali
 its C was chosen: the candidate Cs trained on training digits 0-1199 and evaluated on 1200-1499
 (never on the test set), seed 0.
 
+`:payoff` asks whether learned selection buys robustness where the test is not random (issue
+66; docs/study/payoff/): canvas16 and textured16 at lambda 0.5 with plain, random patches, the
+official C, the content C and the mixed-mask remedies on the content C, evaluated on unseen
+corruptions (`corrupted_local`), the worst case over every mask, random occlusion and clean
+digits. Seeds 0-7 are the plan; run them in parts (`--settings`, `--seeds`).
+`:payoff_validation` is how the remedy is chosen: training digits 0-1199 against 1200-1499,
+seed 0.
+
 Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
 no official training log gives the ratio lambda * L_align / CE at ImageNet scale; the study
@@ -33,15 +41,16 @@ import ml_collections
 
 from rspc_jax.training import defaults, recipes
 
+_VARIANTS = (None, "", "smoke", "per_image", "per_image_validation", "payoff", "payoff_validation")
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
 
 
 def get_config(arg=None):
-    if arg not in (None, "", "smoke", "per_image", "per_image_validation"):
+    if arg not in _VARIANTS:
         raise ValueError(
-            f"unknown variant {arg!r} of configs/demo_study.py; use 'smoke', 'per_image' or "
-            "'per_image_validation'"
+            f"unknown variant {arg!r} of configs/demo_study.py; use one of "
+            f"{', '.join(repr(v) for v in _VARIANTS if v)}"
         )
     c = defaults.get_default_config()
     recipes.apply_digits_demo(c)
@@ -86,6 +95,8 @@ def get_config(arg=None):
     e.occlusion_masks = 20
     if arg in ("per_image", "per_image_validation"):
         _per_image(c, validation=arg == "per_image_validation")
+    if arg in ("payoff", "payoff_validation"):
+        _payoff(c, validation=arg == "payoff_validation")
     if arg == "smoke":
         c.study.seeds = (0,)
         c.study.settings = dict(
@@ -134,6 +145,49 @@ def _per_image(c, validation: bool) -> None:
     )
     c.evaluation.figure_images = 8
     c.evaluation.suites = "clean,patch_occlusion"  # and every mask of 2 of 16 (worst case)
+    if validation:
+        c.study.seeds = (0,)
+        c.train_split = "train[:1200]"
+        c.eval_split = "train[1200:]"
+
+
+_CONTENT = "rspc lam=0.5 corruption_model=content temperature=1.0"  # the per-image C
+# Does learned selection pay off where the test is not random (issue 66)? Plain, random
+# patches, the official and the content C, and the remedies of docs/method.md "Mixed masks"
+# on the content C: half of each mask from C (f = 0.5), that half ramped up over the 15
+# epochs (HPM), C's masks on half of each batch (AttMask).
+_PAYOFF = (
+    "clean",
+    "random_patches lam=0.5",
+    "rspc lam=0.5",
+    _CONTENT,
+    f"{_CONTENT} learned_fraction=0.5",
+    f"{_CONTENT} learned_fraction=0.5 learned_fraction_ramp_epochs=15.0",
+    f"{_CONTENT} learned_batch_fraction=0.5",
+)
+
+
+def _payoff(c, validation: bool) -> None:
+    """The payoff study (docs/study/payoff/): unseen corruptions, the worst case over every
+    mask of 2 of 16 patches, random occlusion and clean accuracy, on the canvas and the
+    textured digits. Seeds 0-7 are the plan; `--seeds` runs them in parts. The validation
+    variant trains on training digits 0-1199 and evaluates on 1200-1499, seed 0."""
+    c.study.settings = dict(
+        canvas16=dict(
+            about="digits at random places of a black 16x16 canvas, 16 tokens",
+            config=dict(dataset="sklearn_digits_canvas"),
+            methods=_PAYOFF,
+        ),
+        textured16=dict(
+            about="the canvas digits on 16x16 crops of photographs, 16 tokens",
+            config=dict(dataset="sklearn_digits_textured"),
+            methods=_PAYOFF,
+        ),
+    )
+    c.study.seeds = tuple(range(8))
+    c.evaluation.figure_images = 8
+    # and every mask of 2 of 16 (the worst case), the 15 corruptions x 5 severities
+    c.evaluation.suites = "clean,patch_occlusion,corrupted_local"
     if validation:
         c.study.seeds = (0,)
         c.train_split = "train[:1200]"

@@ -11,6 +11,9 @@ One file, each piece a pure function that can be tested alone:
    Beside it (`rspc.corruption_model='content'`, not in the paper): `ContentCorruptionModel`,
    a C that scores each patch from its own pixels only, selected by `sampled_keep_mask`
    (exactly that many patches per image, Gumbel top-k; docs/method.md, "A per-image C").
+   Also beside it (`rspc.learned_fraction`, `learned_fraction_ramp_epochs`,
+   `learned_batch_fraction`, not in the paper): `mixed_keep_mask`, C's mask with part of it
+   redrawn at random (docs/method.md, "Mixed masks").
 3. `occlude` (eq. 1): x_hat = clamp(m * x + (1 - m) * delta, lower, upper).
 4. `alignment_loss` (eq. 2 with the official reduction): mean over all backbone
    blocks of the element-wise mean squared difference between the corrupted and the
@@ -195,6 +198,43 @@ def binarize(scores: jax.Array, rho: float, clip: float | None, grad_scale: floa
     return straight_through(scores, keep_mask(jax.lax.stop_gradient(scores), rho), clip, grad_scale)
 
 
+def _ranks(values: jax.Array) -> jax.Array:
+    """Per row, each entry's position in ascending order (0 = the lowest)."""
+    return jnp.argsort(jnp.argsort(values, axis=1), axis=1)
+
+
+def mixed_keep_mask(scores, learned_keep, random_scores, draws, fraction, batch_fraction):
+    """1 = keep: C's mask `learned_keep` (B, N) with part of its occluded patches redrawn at
+    random (`rspc.learned_fraction`, `learned_batch_fraction`; docs/method.md, "Mixed masks").
+
+    Each image occludes as many patches as C's mask does (k). Of those, n come from C (the n
+    of C's occluded patches it scores lowest) and k - n are drawn at random among the rest
+    (the lowest `random_scores`), with n = floor(fraction * k + u) (u = draws[:, 0], so n is
+    fraction * k exactly when that is whole and in expectation otherwise). Only the images
+    with draws[:, 1] < batch_fraction use C at all; the others get a fully random mask.
+    fraction = batch_fraction = 1 returns `learned_keep` unchanged.
+
+    Returns (keep (B, N), learned_rows (B,) bool: the images whose mask C had a say in).
+    """
+    occluded = learned_keep < 0.5
+    k = occluded.sum(axis=1, keepdims=True)
+    learned_rows = draws[:, 1] < batch_fraction
+    n = jnp.floor(fraction * k + draws[:, :1]).astype(k.dtype)
+    n = jnp.where(learned_rows[:, None], jnp.clip(n, 0, k), 0)
+    from_c = occluded & (_ranks(jnp.where(occluded, scores, jnp.inf)) < n)
+    from_random = _ranks(jnp.where(from_c, jnp.inf, random_scores)) < k - n
+    keep = ~(from_c | from_random)
+    return keep.astype(learned_keep.dtype), learned_rows
+
+
+def ramped_fraction(fraction: float, step, ramp_steps: int):
+    """`fraction`, reached linearly from 0 over the first `ramp_steps` steps (HPM's schedule
+    of its hard-patch share); `fraction` from the start when ramp_steps is 0."""
+    if not ramp_steps:
+        return jnp.asarray(fraction, jnp.float32)
+    return fraction * jnp.minimum(1.0, jnp.asarray(step, jnp.float32) / ramp_steps)
+
+
 def patch_mask_to_pixels(mask: jax.Array, grid: tuple[int, int], patch_size: int) -> jax.Array:
     """(B, N) per-patch mask -> (B, H, W, 1), each value repeated over its patch (F.fold)."""
     mask = mask.reshape(mask.shape[0], grid[0], grid[1], 1)
@@ -285,6 +325,7 @@ def corrupt_batch(
     random_scores=None,
     mask_probe=None,
     sampling=None,
+    mixing=None,
 ):
     """Builds x_hat = C-selected occlusion of `images`; returns (x_hat, keep-mask (B, N)).
 
@@ -293,15 +334,22 @@ def corrupt_batch(
     gradient reaching the STE (for the saturation diagnostics).
     `sampling` (gumbel draws (B, N), temperature) selects by `sampled_keep_mask` instead of
     the official quantile rule.
+    `mixing` (random scores (B, N), uniform draws (B, 2), fraction, batch fraction) redraws
+    part of C's mask at random (`mixed_keep_mask`); C's gradient then comes only from the
+    images whose mask it had a say in.
     """
     scores = corruption_model.apply({"params": corruption_params}, images)
     if random_scores is not None:
         scores = random_scores
+    fixed = jax.lax.stop_gradient(scores)
     if sampling is None:
-        mask = binarize(scores, rho, ste_clip, grad_scale)
+        hard = keep_mask(fixed, rho)
     else:
-        hard = sampled_keep_mask(jax.lax.stop_gradient(scores), rho, *sampling)
-        mask = straight_through(scores, hard, ste_clip, grad_scale)
+        hard = sampled_keep_mask(fixed, rho, *sampling)
+    if mixing is not None:
+        hard, learned_rows = mixed_keep_mask(fixed, hard, *mixing)
+        scores = jnp.where(learned_rows[:, None], scores, fixed)
+    mask = straight_through(scores, hard, ste_clip, grad_scale)
     if mask_probe is not None:
         mask = mask + mask_probe
     corrupted = occlude_with_patch_mask(
@@ -345,6 +393,7 @@ def rspc_loss(
     objective="align",
     drop_tokens=False,
     sampling=None,
+    mixing=None,
 ):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
@@ -356,7 +405,7 @@ def rspc_loss(
     drop_tokens (ablation, models with `supports_token_dropping`): the selected patches
     are dropped from the corrupted half's token sequence instead of filled with noise (the
     model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
-    sampling: see `corrupt_batch`.
+    sampling, mixing: see `corrupt_batch`.
     """
     corrupted, mask = corrupt_batch(
         corruption_params,
@@ -371,6 +420,7 @@ def rspc_loss(
         random_scores=random_scores,
         mask_probe=mask_probe,
         sampling=sampling,
+        mixing=mixing,
     )
     token_keep, kwargs = None, {}
     if drop_tokens:
@@ -453,6 +503,14 @@ def selection_temperature(rspc_config) -> float | None:
     if rspc_config.corruption_model == "official" and rspc_config.temperature == 0:
         return None
     return float(rspc_config.temperature)
+
+
+def mixed_masks(rspc_config) -> bool:
+    """Whether C's masks are partly redrawn at random (`mixed_keep_mask`): any of the three
+    switches away from its default, and C selecting at all."""
+    r = rspc_config
+    mixed = r.learned_fraction < 1 or r.learned_fraction_ramp_epochs > 0
+    return r.selection == "learned" and (mixed or r.learned_batch_fraction < 1)
 
 
 def corruption_patch_size(rspc_config, model) -> int:

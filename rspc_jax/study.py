@@ -1,5 +1,7 @@
 """The small-scale reproduction study: `python -m rspc_jax.study --config=configs/demo_study.py
---workdir=DIR` (rspc_jax.tools.study: what it trains, evaluates and writes)."""
+--workdir=DIR [--settings=a,b] [--seeds=0,1]` (rspc_jax.tools.study: what it trains, evaluates
+and writes). `--settings` and `--seeds` run a long study in parts: each part trains only its
+runs, and the report covers every setting and seed finished in DIR so far."""
 
 import os
 import sys
@@ -16,6 +18,10 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=False,
 )
 _WORKDIR = cli.DEFINE_path("workdir", None, "Where the runs, results.md and figures go.")
+_SETTINGS = flags.DEFINE_list(
+    "settings", None, "Run only these settings of config.study.settings (a study in parts)."
+)
+_SEEDS = flags.DEFINE_list("seeds", None, "Run only these seeds (default: config.study.seeds).")
 
 
 def main(argv):
@@ -25,7 +31,9 @@ def main(argv):
 
     config = cli.start(argv, _CONFIG.value)
     command = "python -m rspc_jax.study " + " ".join(sys.argv[1:])
-    path = study_runner.run_study(config, _WORKDIR.value, command)
+    path = study_runner.run_study(
+        config, _WORKDIR.value, command, settings=_SETTINGS.value, seeds=_SEEDS.value
+    )
     if path:
         print(f"Results: {path}", flush=True)
 

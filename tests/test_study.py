@@ -78,6 +78,25 @@ def test_per_image_study_chooses_on_held_out_training_digits(digits_data_dir):
         study_runner.check(config)
 
 
+def test_payoff_study_measures_unseen_corruptions_and_chooses_on_validation_digits():
+    """The payoff study (issue 66): the corruption suite on; its validation variant trains on
+    training digits 0-1199 and evaluates on 1200-1499, the study itself on the test split."""
+    _, validation = load_config(REPO / "configs" / "demo_study.py", "payoff_validation")
+    _, final = load_config(REPO / "configs" / "demo_study.py", "payoff")
+    assert (validation.train_split, validation.eval_split) == ("train[:1200]", "train[1200:]")
+    assert final.train_split is None and final.eval_split is None
+    assert validation.study.seeds == (0,) and len(final.study.seeds) == 8
+    for config in (validation, final):
+        assert "corrupted_local" in config.evaluation.suites.split(",")
+        assert set(config.study.settings) == {"canvas16", "textured16"}
+        study_runner.check(config)
+        methods = config.study.settings.canvas16.methods
+        assert {"clean", "random_patches lam=0.5", "rspc lam=0.5"} <= set(methods)
+        # every learned method pairs with random patches at lambda 0.5
+        learned = [m for m in methods if m.startswith("rspc")]
+        assert {study_runner.random_twin(m) for m in learned} == {"random_patches lam=0.5"}
+
+
 @pytest.mark.parametrize("method", ["rspc lamda=0.5", "no_such_method"])
 def test_bad_method_fails_before_training(digits_data_dir, tmp_path, method):
     config = _smoke_config(digits_data_dir)
@@ -126,3 +145,77 @@ def test_smoke_study_writes_results_and_figures(digits_data_dir, tmp_path):
     (run / "checkpoints").rename(tmp_path / "moved")
     study_runner.run_study(config, str(tmp_path), command="smoke")
     assert not (run / "checkpoints").exists()
+
+
+def _fake_record(accuracy: float, corruption_error: float) -> dict:
+    """A finished run's record with the numbers the report reads: clean, occluded, worst
+    case and every corrupted_local cell (error `corruption_error` on all of them)."""
+    cells = {f"{c}/{s}": 1 - corruption_error for c in ("fog", "snow") for s in (1, 2)}
+    return dict(
+        train_seconds=30.0,
+        eval_seconds=20.0,
+        train_log=[{"step": 1, "train/loss": 1.0}],
+        results=dict(
+            clean=dict(top1=accuracy),
+            patch_occlusion=dict(
+                random_mask_accuracy=dict(mean=accuracy - 0.1, min=0.2),
+                every_mask_accuracy=dict(mean=accuracy - 0.1, worst_case=0.01),
+            ),
+            corrupted_local=dict(
+                accuracy=cells,
+                corruptions=["fog", "snow"],
+                severities=[1, 2],
+                mean_accuracy=1 - corruption_error,
+            ),
+        ),
+    )
+
+
+def test_corruption_error_is_relative_to_plain_training():
+    plain, half = _fake_record(0.9, 0.4), _fake_record(0.9, 0.2)
+    result = half["results"]["corrupted_local"]
+    assert study_runner.corruption_error(result, plain["results"]["corrupted_local"]) == (
+        pytest.approx(0.5)
+    )
+    rows = {"s": {"clean": [{}], "rspc": [{}]}}
+    study_runner.add_corruption_errors(rows, {"s": {"clean": {0: plain}, "rspc": {0: half}}})
+    assert rows["s"]["rspc"][0]["mCE vs plain"] == pytest.approx(0.5)
+    assert rows["s"]["clean"][0]["mCE vs plain"] == pytest.approx(1.0)
+
+
+def test_study_in_parts_reports_every_finished_seed_with_paired_differences(
+    digits_data_dir, tmp_path
+):
+    """Runs finished by earlier parts are not trained again; the report covers the seeds
+    whose runs are all finished, pairs learned with random and every method with plain
+    (mean ± std, SE, per seed) and lists each part's wall-clock."""
+    config = _smoke_config(digits_data_dir)
+    methods = ("clean", "random_patches lam=0.5", "rspc lam=0.5")
+    config.study.settings = dict(
+        canvas16=dict(about="parts", config=dict(dataset="sklearn_digits_canvas"), methods=methods)
+    )
+    config.study.seeds = (0, 1, 2)
+    numbers = {"clean": (0.8, 0.5), "random_patches lam=0.5": (0.85, 0.4), "rspc lam=0.5": None}
+    for seed in (0, 1, 2):
+        for method in methods if seed < 2 else ("clean",):  # seed 2 unfinished
+            accuracy, error = numbers[method] or (0.86 + 0.01 * seed, 0.45)
+            run = tmp_path / "runs" / "canvas16" / f"{method.replace(' ', '_')}_s{seed}"
+            run.mkdir(parents=True)
+            (run / "study_run.json").write_text(json.dumps(_fake_record(accuracy, error)))
+    with pytest.raises(ConfigError, match="--settings"):
+        study_runner.run_study(config, str(tmp_path), "part", settings=["nowhere"])
+    study_runner.run_study(config, str(tmp_path), "part 1", settings=["canvas16"], seeds=[0, 1])
+    results = (tmp_path / "results.md").read_text()
+    assert "Seeds: canvas16 [0, 1]" in results
+    assert "- `part 1`: settings canvas16, seeds 0, 1:" in results
+    learned = _row(results, "| canvas16 | RSPC, λ=0.5 |")
+    # occluded: +1 and +2 points against random; corruptions: -5 points both seeds
+    assert "+1.50 ± 0.71 (SE 0.50; +1.00, +2.00)" in learned
+    assert "-5.00 ± 0.00 (SE 0.00; -5.00, -5.00)" in learned
+    header = results.split("## Against plain training")[1].split("\n\n")[2].splitlines()[0]
+    assert "corruptions | mCE vs plain | worst case | clean" in header
+    plain_rows = results.split("## Against plain training")[1]
+    assert "+10.00 ± 0.00 (SE 0.00; +10.00, +10.00)" in _row(
+        plain_rows, "| canvas16 | RSPC, random patches, λ=0.5 |"
+    )  # corruptions: 60% against plain's 50%
+    assert "-20.00 ± 0.00" in _row(plain_rows, "| canvas16 | RSPC, random patches, λ=0.5 |")

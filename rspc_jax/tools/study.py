@@ -8,6 +8,13 @@ DIR/results.md (mean ± std over seeds; learned against random selection per lam
 seed; C's selection statistics and lambda * L_align / CE; the command, hardware and wall-clock)
 and DIR/figures/. Runs live in DIR/runs/<setting>/<method>_s<seed>; a finished run is not
 trained or evaluated again, so an interrupted study resumes where it stopped.
+
+A study can run in parts (`run_study(settings=..., seeds=...)`, the CLI's `--settings` and
+`--seeds`): each part trains its runs and logs its wall-clock to DIR/study_parts.jsonl, and the
+report covers every setting and seed whose runs are all finished. With the corruption suite
+(`corrupted_local`) the report adds unseen-corruption accuracy and its error relative to plain
+training, and every paired difference (learned - random, method - plain) with its standard
+error and per-seed values.
 """
 
 import ast
@@ -146,6 +153,8 @@ def summarise(record: dict) -> dict:
     if "every_mask_accuracy" in occlusion:
         row["every mask"] = occlusion["every_mask_accuracy"]["mean"]
         row["worst case"] = occlusion["every_mask_accuracy"]["worst_case"]
+    if "corrupted_local" in results:
+        row["corruptions"] = results["corrupted_local"]["mean_accuracy"]
     if "attention_stability" in results:
         row["Cos-Sim"] = results["attention_stability"]["mean_cos_sim"]
     if "train/weighted_align_to_ce" in log[-1]:
@@ -167,10 +176,39 @@ def summarise(record: dict) -> dict:
     return row
 
 
+def corruption_error(result: dict, reference: dict) -> float:
+    """ImageNet-C's mCE with `reference` (plain training) in AlexNet's place: per corruption,
+    the error summed over severities over the reference's, averaged over the corruptions (1 =
+    as robust as plain training, below 1 = more). Both are `corrupted_local` results."""
+
+    def error(r, name):
+        return sum(1 - r["accuracy"][f"{name}/{s}"] for s in r["severities"])
+
+    return float(
+        np.mean([error(result, c) / max(error(reference, c), 1e-12) for c in result["corruptions"]])
+    )
+
+
+def add_corruption_errors(rows: dict, records: dict) -> None:
+    """Adds 'mCE vs plain' to every run of a setting whose plain run ('clean') of the same
+    seed has the corruption suite."""
+    for setting, methods in records.items():
+        for method, per_seed in methods.items():
+            for row, seed in zip(rows[setting][method], per_seed, strict=True):
+                plain = methods.get("clean", {}).get(seed)
+                if plain and "corrupted_local" in per_seed[seed]["results"]:
+                    row["mCE vs plain"] = corruption_error(
+                        per_seed[seed]["results"]["corrupted_local"],
+                        plain["results"]["corrupted_local"],
+                    )
+
+
 # Shown in percent; the rest as they are.
 PERCENT = (
     "clean",
     "occluded",
+    "corruptions",
+    "mCE vs plain",
     "worst mask",
     "every mask",
     "worst case",
@@ -207,7 +245,15 @@ def _table(rows: dict, metrics: list, first_column: str) -> list[str]:
 
 # config.rspc fields that change only how C selects: random selection ignores them, so a
 # learned method with them pairs with the random-patch method that has its other fields.
-SELECTION_FIELDS = ("corruption_model", "temperature", "ste", "corruption_grad_scale")
+SELECTION_FIELDS = (
+    "corruption_model",
+    "temperature",
+    "ste",
+    "corruption_grad_scale",
+    "learned_fraction",
+    "learned_fraction_ramp_epochs",
+    "learned_batch_fraction",
+)
 
 
 def random_twin(method: str) -> str:
@@ -216,37 +262,48 @@ def random_twin(method: str) -> str:
     return " ".join(["random_patches", *kept])
 
 
-# The differences learned - random that the study reports, where both runs have them.
-PAIRED = ("occluded", "worst case", "Cos-Sim")
+# The paired differences the study reports, where both runs have them: randomly occluded,
+# unseen corruptions (mean accuracy, mCE vs plain), the worst case over every mask, clean.
+PAIRED = ("occluded", "corruptions", "mCE vs plain", "worst case", "clean", "Cos-Sim")
+
+
+def _differences(runs: list, references: list) -> dict:
+    """{metric: [run - reference, per seed]} for the metrics of PAIRED both have."""
+    return {
+        metric: [a[metric] - b[metric] for a, b in zip(runs, references, strict=True)]
+        for metric in PAIRED
+        if all(metric in r for r in runs + references)
+    }
 
 
 def learned_vs_random(rows: dict, seeds) -> list[tuple]:
     """(method, {metric: difference learned - random per seed}) for every learned method and
     the random-patch method it differs from only in the selection (metrics of PAIRED)."""
-    pairs = []
-    for method in rows:
-        name, _ = parse_method(method)
-        twin = random_twin(method)
-        if name == "rspc" and twin in rows:
-            learned, random = rows[method], rows[twin]
-            differences = {
-                metric: [a[metric] - b[metric] for a, b in zip(learned, random, strict=True)]
-                for metric in PAIRED
-                if all(metric in r for r in learned + random)
-            }
-            pairs.append((method, differences))
-    return pairs
+    return [
+        (method, _differences(rows[method], rows[random_twin(method)]))
+        for method in rows
+        if parse_method(method)[0] == "rspc" and random_twin(method) in rows
+    ]
+
+
+def against_plain(rows: dict) -> list[tuple]:
+    """(method, {metric: difference method - plain per seed}) for every method of a setting
+    with plain training ('clean')."""
+    if "clean" not in rows:
+        return []
+    return [(m, _differences(rows[m], rows["clean"])) for m in rows if m != "clean"]
 
 
 def figures(records: dict, config, workdir: str) -> list[str]:
-    """Per setting: C's per-position selection frequency over training (first seed, every
+    """Per reported setting: C's per-position selection frequency over training (first seed, every
     method with learned selection); occluded accuracy per method; C's masks, copied."""
     from rspc_jax.evaluation.figures import plt, save
 
     out = os.path.join(workdir, "figures")
-    first = config.study.seeds[0]
     paths = []
-    for setting, spec in config.study.settings.items():
+    for setting in records:
+        spec, seeds = config.study.settings[setting], _seeds(records[setting])
+        first = seeds[0]
         learned = [
             m
             for m in spec.methods
@@ -278,8 +335,7 @@ def figures(records: dict, config, workdir: str) -> list[str]:
             paths.append(save(fig, out, f"{setting}_selection_over_training.png"))
         methods = list(spec.methods)
         means = [
-            [100 * summarise(records[setting][m][s])["occluded"] for s in config.study.seeds]
-            for m in methods
+            [100 * summarise(records[setting][m][s])["occluded"] for s in seeds] for m in methods
         ]
         fig, ax = plt.subplots(figsize=(0.55 * len(methods) + 2, 3.6))
         ax.errorbar(
@@ -315,28 +371,34 @@ def _copy_mask_figures(workdir: str, setting: str, learned: list, seed: int) -> 
     return paths
 
 
+def _seeds(methods: dict) -> list:
+    """The seeds of one setting's records (every method has the same)."""
+    return sorted(next(iter(methods.values())))
+
+
 def write_results(records: dict, config, workdir: str, figure_paths, command: str) -> str:
-    """Writes DIR/results.md from the runs' `records` (setting -> method -> seed -> record);
-    returns its path."""
-    seeds = list(config.study.seeds)
-    settings = config.study.settings
+    """Writes DIR/results.md from the runs' `records` (setting -> method -> seed -> record,
+    each setting with the seeds it has finished); returns its path."""
+    settings = {s: config.study.settings[s] for s in records}
     rows = {
-        setting: {m: [summarise(records[setting][m][s]) for s in seeds] for m in spec.methods}
-        for setting, spec in settings.items()
+        setting: {m: [summarise(r[s]) for s in _seeds(records[setting])] for m, r in runs.items()}
+        for setting, runs in records.items()
     }
+    add_corruption_errors(rows, records)
     seconds = {
-        (setting, m, s): records[setting][m][s]["train_seconds"]
-        + records[setting][m][s]["eval_seconds"]
-        for setting, spec in settings.items()
-        for m in spec.methods
-        for s in seeds
+        (setting, m, s): r[s]["train_seconds"] + r[s]["eval_seconds"]
+        for setting, runs in records.items()
+        for m, r in runs.items()
+        for s in r
     }
+    seeds = {setting: _seeds(runs) for setting, runs in records.items()}
     lines = [
         *_introduction(command, seeds, seconds),
+        *_parts(workdir),
         *_headline(rows, settings),
-        *_learned_against_random(rows, settings, seeds),
+        *_paired_tables(rows, settings),
         *_per_setting(rows, settings),
-        *_wall_clock(seconds, settings, seeds),
+        *_wall_clock(seconds, settings, sorted(set().union(*seeds.values()))),
         "",
         "## Figures",
         "",
@@ -348,7 +410,7 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
     return path
 
 
-def _introduction(command: str, seeds: list, seconds: dict) -> list[str]:
+def _introduction(command: str, seeds: dict, seconds: dict) -> list[str]:
     """The title, the command, the machine and what the columns mean."""
     return [
         "# Small-scale study: learned against random patch selection on the digits",
@@ -360,8 +422,13 @@ def _introduction(command: str, seeds: list, seconds: dict) -> list[str]:
         f"Python {platform.python_version()}. {len(seconds)} runs; wall-clock of all runs "
         f"(train + evaluate): {sum(seconds.values()) / 60:.1f} min.",
         "",
-        f"Seeds {seeds}; every number is mean ± std over the seeds. Accuracies and Cos-Sim in "
+        "Seeds: " + "; ".join(f"{k} {v}" for k, v in seeds.items()) + ". "
+        "Every number is mean ± std over the seeds. Accuracies and Cos-Sim in "
         "percent. 'occluded': mean accuracy over the random masks of each test image; "
+        "'corruptions': mean accuracy over the corruptions × severities of `corrupted_local` "
+        "(never trained on), 'mCE vs plain' its corruption error relative to plain training "
+        "of the same seed (ImageNet-C's mCE with plain training in AlexNet's place; 100 = "
+        "plain); "
         "'every mask' and 'worst case' (where there are few enough masks): the mean accuracy "
         "over every mask of that many patches, and the share of images classified correctly "
         "under every one of them; λ·L_align/CE and the training entropies come from the "
@@ -395,28 +462,48 @@ def _headline(rows: dict, settings) -> list[str]:
     return lines
 
 
-def _learned_against_random(rows: dict, settings, seeds: list) -> list[str]:
-    """Each learned method minus its random-patch twin, paired by seed."""
+def _paired_cell(values) -> str:
+    """Paired differences in points: mean ± std (SE = std / sqrt(seeds); each seed's)."""
+    values = 100 * np.asarray(values, float)
+    each = ", ".join(f"{v:+.2f}" for v in values)
+    if len(values) == 1:
+        return each
+    std = values.std(ddof=1)
+    return f"{values.mean():+.2f} ± {std:.2f} (SE {std / np.sqrt(len(values)):.2f}; {each})"
+
+
+def _paired_table(title: str, about: str, pairs: dict) -> list[str]:
+    """One row per setting and method of `pairs` (setting -> [(method, differences)]), one
+    column per metric of PAIRED that any pair has."""
+    metrics = [m for m in PAIRED if any(m in d for pair in pairs.values() for _, d in pair)]
     lines = [
         "",
-        "## Learned against random selection (paired by seed, points)",
+        f"## {title} (paired by seed, points)",
         "",
-        "| setting | method | occluded: learned − random | per seed | worst case: learned − "
-        "random | Cos-Sim: learned − random |",
-        "|---|---|---:|---|---:|---:|",
+        about,
+        "",
+        "| setting | method | " + " | ".join(metrics) + " |",
+        "|---|---|" + "---:|" * len(metrics),
     ]
-    for setting in settings:
-        for method, differences in learned_vs_random(rows[setting], seeds):
-            per_seed = ", ".join(f"{100 * d:+.2f}" for d in differences["occluded"])
-            cells = [
-                _cell(differences[m], m) if m in differences else "—"
-                for m in ("worst case", "Cos-Sim")
-            ]
-            lines.append(
-                f"| {setting} | {label(method)} | {_cell(differences['occluded'], 'occluded')} "
-                f"| {per_seed} | " + " | ".join(cells) + " |"
-            )
+    for setting, pair in pairs.items():
+        for method, differences in pair:
+            cells = [_paired_cell(differences[m]) if m in differences else "—" for m in metrics]
+            lines.append(f"| {setting} | {label(method)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _paired_tables(rows: dict, settings) -> list[str]:
+    """Each learned method minus its random-patch twin, and every method minus plain."""
+    about = (
+        "Each cell: mean ± std over seeds of the paired difference (SE: std / √seeds; then "
+        "each seed's). 'mCE vs plain' is in points of the relative corruption error."
+    )
+    learned = {s: learned_vs_random(rows[s], None) for s in settings}
+    plain = {s: against_plain(rows[s]) for s in settings}
+    return [
+        *_paired_table("Learned against random selection", about, learned),
+        *_paired_table("Against plain training", about, plain),
+    ]
 
 
 def _per_setting(rows: dict, settings) -> list[str]:
@@ -440,24 +527,89 @@ def _wall_clock(seconds: dict, settings, seeds: list) -> list[str]:
     ]
     for setting, spec in settings.items():
         for m in spec.methods:
-            cells = [f"{seconds[setting, m, s]:.0f}" for s in seeds]
+            cells = [
+                f"{seconds[setting, m, s]:.0f}" if (setting, m, s) in seconds else "—"
+                for s in seeds
+            ]
             lines.append(f"| {setting} | {label(m)} | " + " | ".join(cells) + " |")
     return lines
 
 
-def run_study(config, workdir: str, command: str) -> str:
+def select(config, settings=None, seeds=None) -> tuple[list, list]:
+    """The settings and seeds to run now (`--settings`, `--seeds`; default: the config's)."""
+    from rspc_jax import ConfigError
+
+    settings = list(settings or config.study.settings)
+    unknown = [s for s in settings if s not in config.study.settings]
+    if unknown:
+        raise ConfigError(
+            f"--settings {unknown} are not settings of this study: {sorted(config.study.settings)}"
+        )
+    return settings, [int(s) for s in (seeds or config.study.seeds)]
+
+
+def _run_dir(workdir: str, setting: str, method: str, seed: int) -> str:
+    return os.path.join(workdir, "runs", setting, f"{_slug(method)}_s{seed}")
+
+
+def finished(config, workdir: str, seeds) -> dict:
+    """setting -> method -> seed -> record of every finished seed (all methods of a setting
+    done) among `seeds`; settings without one are left out."""
+    records = {}
+    for setting, spec in config.study.settings.items():
+        for seed in sorted(seeds):
+            paths = {m: _run_dir(workdir, setting, m, seed) for m in spec.methods}
+            paths = {m: os.path.join(p, "study_run.json") for m, p in paths.items()}
+            if all(os.path.exists(p) for p in paths.values()):
+                for method, path in paths.items():
+                    with open(path) as f:
+                        records.setdefault(setting, {}).setdefault(method, {})[seed] = json.load(f)
+    return records
+
+
+PARTS = "study_parts.jsonl"
+
+
+def _log_part(workdir: str, command: str, settings, seeds, seconds: float) -> None:
+    """One line per invocation: what it ran and its wall-clock (the report's 'Parts')."""
+    with open(os.path.join(workdir, PARTS), "a") as f:
+        part = dict(command=command, settings=settings, seeds=seeds, seconds=round(seconds))
+        f.write(json.dumps(part) + "\n")
+
+
+def _parts(workdir: str) -> list[str]:
+    """The report's list of the invocations that ran this study, with their wall-clock."""
+    path = os.path.join(workdir, PARTS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        parts = [json.loads(line) for line in f]
+    lines = ["## Parts (wall-clock of each invocation)", ""]
+    lines += [
+        f"- `{p['command']}`: settings {', '.join(p['settings'])}, seeds "
+        f"{', '.join(map(str, p['seeds']))}: {p['seconds'] / 60:.1f} min"
+        for p in parts
+    ]
+    return lines + [""]
+
+
+def run_study(config, workdir: str, command: str, settings=None, seeds=None) -> str:
+    """Trains and evaluates `settings` x `seeds` (default: all of the config), then reports
+    every setting and seed finished in `workdir` (by this or earlier invocations)."""
     check(config)
-    settings = config.study.settings
-    records = {setting: {m: {} for m in spec.methods} for setting, spec in settings.items()}
-    for seed in config.study.seeds:
-        for setting, spec in settings.items():
-            for method in spec.methods:
+    settings, seeds = select(config, settings, seeds)
+    start = time.time()
+    for seed in seeds:
+        for setting in settings:
+            for method in config.study.settings[setting].methods:
                 logging.info(f"== {setting}: {method}, seed {seed}")
-                records[setting][method][seed] = run_one(
+                run_one(
                     run_config(config, setting, method, seed),
-                    os.path.join(workdir, "runs", setting, f"{_slug(method)}_s{seed}"),
+                    _run_dir(workdir, setting, method, seed),
                 )
     if jax.process_index() != 0:
         return ""
+    _log_part(workdir, command, settings, seeds, time.time() - start)
+    records = finished(config, workdir, set(config.study.seeds) | set(seeds))
     paths = figures(records, config, workdir)
     return write_results(records, config, workdir, paths, command)

@@ -125,6 +125,15 @@ RANGES = {
     "rspc.temperature": Range(
         _non_negative, ">= 0", "the Gumbel top-k temperature of C's masks; 0 = C's top-k"
     ),
+    "rspc.learned_fraction": Range(
+        _probability, "in [0, 1]", "the share of the occluded patches C picks; 1 = official"
+    ),
+    "rspc.learned_fraction_ramp_epochs": Range(
+        _non_negative, ">= 0", "epochs over which C's share ramps up from 0; 0 = none"
+    ),
+    "rspc.learned_batch_fraction": Range(
+        _probability, "in [0, 1]", "the share of each batch masked by C; 1 = official"
+    ),
     "rspc.lam": Range(_non_negative, ">= 0", "the alignment loss weight lambda; paper: 0.005"),
     "rspc.patch_size": Range(_non_negative, ">= 0", "C's patch in pixels; 0 = the model's"),
     "rspc.corruption_grad_scale": Range(_positive, "> 0", "the scale of C's STE gradient"),

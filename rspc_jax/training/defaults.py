@@ -109,6 +109,10 @@ def get_default_config() -> ml_collections.ConfigDict:
             # from each patch's own pixels, exactly k per image by Gumbel top-k).
             corruption_model="official",
             temperature=0.0,  # > 0: C's masks sampled by Gumbel top-k at this temperature
+            # Beyond the paper (docs/method.md, "Mixed masks"; defaults = C's masks whole):
+            learned_fraction=1.0,  # of the occluded patches, this fraction C's, the rest random
+            learned_fraction_ramp_epochs=0.0,  # > 0: that fraction ramps up from 0 (HPM)
+            learned_batch_fraction=1.0,  # C's masks on this share of the batch (AttMask)
             objective="align",  # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
             fill="noise",  # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
             # | 'drop' (removed from the token sequence; ViT/DeiT)

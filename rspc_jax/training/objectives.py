@@ -87,6 +87,20 @@ def _selection_draws(ctx: Context, images):
     return None, None
 
 
+def _mixing(ctx: Context, images):
+    """The `mixing` of `rspc.rspc_loss` (random scores, uniform draws, C's fraction of the
+    occluded patches at this step, batch fraction), or None where C's masks are used whole
+    (the official default) or never (random selection)."""
+    s = ctx.settings
+    if s.random_selection or not s.mixed_masks:
+        return None
+    rng = jax.random.fold_in(ctx.select_rng, 2)
+    scores = rspc.uniform_noise(rng, ctx.example_ids, (_num_patches(ctx, images),))
+    draws = rspc.uniform_noise(jax.random.fold_in(rng, 1), ctx.example_ids, (2,))
+    fraction = rspc.ramped_fraction(s.learned_fraction, ctx.step, s.learned_fraction_ramp_steps)
+    return scores, draws, fraction, s.learned_batch_fraction
+
+
 def rspc_objective(
     ctx, params, corruption_params, mask_probe, batch_stats, images, noise_rng, rngs
 ):
@@ -111,6 +125,7 @@ def rspc_objective(
         align_blocks=s.align_blocks,
         random_scores=random_scores,
         sampling=sampling,
+        mixing=_mixing(ctx, images),
         compute_dtype=s.compute_dtype,
         objective=s.rspc_objective,
         drop_tokens=s.fill == "drop",

@@ -129,6 +129,10 @@ def step_settings(
         grad_accum_steps=config.grad_accum_steps,
         object_threshold=spec.object_threshold,
         selection_temperature=rspc.selection_temperature(r),
+        mixed_masks=rspc.mixed_masks(r),
+        learned_fraction=float(r.learned_fraction),
+        learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
+        learned_batch_fraction=float(r.learned_batch_fraction),
     )
 
 

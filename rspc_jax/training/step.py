@@ -79,6 +79,11 @@ class StepSettings:
     object_threshold: Any = None  # pixels above it hold the object, where a dataset says so
     # None: the official quantile rule; a temperature: C's masks by rspc.sampled_keep_mask.
     selection_temperature: Any = None
+    # Mixed masks (rspc.mixed_keep_mask); off (C's masks whole) unless mixed_masks.
+    mixed_masks: bool = False
+    learned_fraction: float = 1.0
+    learned_fraction_ramp_steps: int = 0
+    learned_batch_fraction: float = 1.0
 
 
 def create_train_state(
