@@ -6,7 +6,7 @@ runs, and the report covers every setting and seed finished in DIR so far."""
 import os
 import sys
 
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 from rspc_jax.tools import cli

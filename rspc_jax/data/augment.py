@@ -391,12 +391,23 @@ def random_erasing(
     )
     coin = tf.random.stateless_uniform([], coin_key)
     erase = (coin < prob) & tf.reduce_any(fits)
-    # Noise only for the box (an empty one when not erasing), padded in place.
-    h, w = h * tf.cast(erase, tf.int32), w * tf.cast(erase, tf.int32)
-    channels = tf.shape(image)[2]
-    noise = tf.random.stateless_normal([h, w, channels], noise_key, dtype=image.dtype)
-    noise = tf.pad(noise, [[top, height - top - h], [left, width - left - w], [0, 0]])
-    rows = tf.range(height)[:, None]
-    cols = tf.range(width)[None, :]
-    inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
-    return tf.where(inside[..., None], noise, image)
+
+    def erased():
+        """Noise only for the box, written over it; the images not erased (1 - prob of
+        them) cost nothing beyond the draws above."""
+        noise = tf.random.stateless_normal([h, w, tf.shape(image)[2]], noise_key, dtype=image.dtype)
+        return _write_box(image, noise, top, left)
+
+    return tf.ensure_shape(tf.cond(erase, erased, lambda: image), image.shape)
+
+
+def _write_box(image, box, top, left):
+    """`image` with `box` (h, w, C) written at rows top.., columns left..."""
+    h, w = tf.shape(box)[0], tf.shape(box)[1]
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=image,
+        begin=tf.stack([top, left, 0]),
+        end=tf.stack([top + h, left + w, tf.shape(image)[2]]),
+        strides=tf.constant([1, 1, 1]),
+        value=box,
+    )

@@ -1,0 +1,108 @@
+"""benchmarks/input_pipeline.py on a tiny data set: the command prints its tables with a
+positive rate in every row, the layouts it writes are what our readers and the official
+ImageFolders read, and the official side runs timm's PosterizeIncreasing at magnitude 10."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytest.importorskip("timm")  # the official side (requirements-torch.txt)
+
+IMAGES, CLASSES, VAL_IMAGES, C_IMAGES = 40, 2, 20, 1000
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(printed output, data folder) of one tiny run on 1 core."""
+    data = tmp_path_factory.mktemp("input_pipeline")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.input_pipeline",
+            f"--images={IMAGES}",
+            f"--classes={CLASSES}",
+            f"--val_images={VAL_IMAGES}",
+            f"--c_images={C_IMAGES}",
+            "--cores=1",
+            "--batch=8",
+            "--seconds=0.2",
+            "--windows=2",
+            f"--data_dir={data}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, data
+
+
+def test_tables_have_positive_rates(run):
+    from benchmarks import input_pipeline
+
+    out, _ = run
+    names = tuple(input_pipeline.ROW_NAMES.values())
+    rows = [line for line in out.splitlines() if line.startswith(names)]
+    assert len(rows) == 3, out
+    for row, name in zip(rows, names):
+        assert row.split()[len(name.split())] == "1", row  # cores
+        rates = [float(x) for x in re.findall(r"\d+\.\d+", row)]
+        assert len(rates) == 7 and all(r > 0 for r in rates), row
+    feeding = out.split("host cores that would feed")[1].splitlines()[2:]
+    assert [line.split(",")[0] for line in feeding][:2] == ["DeiT-S plain", "DeiT-S RSPC"]
+    for line in feeding:
+        assert all(float(x) > 0 for x in line.split()[-3:]), line
+
+
+def test_layouts_are_what_the_readers_read(run):
+    import tensorflow_datasets as tfds
+
+    from benchmarks import input_pipeline
+    from rspc_jax.evaluation import sources
+
+    _, data = run
+    layout = input_pipeline.layout_of(data)
+    info = tfds.builder("imagenet2012", data_dir=str(layout["tfds"])).info
+    assert info.splits["train"].num_examples == IMAGES
+    assert info.splits["validation"].num_examples == VAL_IMAGES
+    paths, labels = sources.image_folder_examples(layout["train"])
+    assert len(paths) == IMAGES and sorted(set(labels)) == list(range(CLASSES))
+    wnids = input_pipeline.imagenet_wnids()
+    assert sorted(p.name for p in layout["train"].iterdir()) == wnids[:CLASSES]
+    val, _ = sources.image_folder_examples(layout["val"])
+    assert len(val) == VAL_IMAGES
+    paths, labels = sources.imagenet_c_examples(
+        layout["imagenet_c"], input_pipeline.CORRUPTION, input_pipeline.SEVERITY
+    )
+    assert len(paths) == C_IMAGES and sorted(set(labels)) == list(range(1000))
+
+    from PIL import Image
+
+    sizes = {Image.open(p).size for p in list(layout["train"].rglob("*.JPEG"))}
+    assert all(500 <= max(s) <= 640 and 330 <= min(s) <= 512 for s in sizes), sizes
+    assert {Image.open(p).size for p in paths[:20]} == {(224, 224)}
+
+
+def test_official_posterize_at_magnitude_10():
+    """timm's PosterizeIncreasing at magnitude 10 keeps 0 bits: black, not an error."""
+    import numpy as np
+    from PIL import Image
+    from timm.data import auto_augment
+
+    from benchmarks import input_pipeline
+
+    saved = dict(auto_augment.NAME_TO_OP)
+    try:
+        input_pipeline.patch_timm_posterize()
+        op = auto_augment.AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)
+        image = Image.fromarray(np.full((8, 8, 3), 200, np.uint8))
+        assert np.asarray(op(image)).max() == 0
+    finally:
+        auto_augment.NAME_TO_OP.clear()
+        auto_augment.NAME_TO_OP.update(saved)
