@@ -4,7 +4,8 @@ local files.
 
     python -m benchmarks.input_pipeline --images=2000 --classes=10 --cores=1,2 --batch=64
 
-It makes, in --data_dir (default: a temporary folder), a small ImageNet of real-sized JPEGs
+It makes, in --data_dir (default: a temporary folder; a given one is reused for the same
+sizes and must otherwise be new or empty), a small ImageNet of real-sized JPEGs
 (crops and rescales of the photographs that scikit-image ships, else scikit-learn's two
 sample images; 500 x 375 to 640 x 480, quality 90) in three layouts:
 
@@ -181,6 +182,12 @@ def make_dataset(root: pathlib.Path, images: int, classes: int, val_images: int,
     wanted = dict(images=images, classes=classes, val_images=val_images, c_images=c_images)
     if done.exists() and json.loads(done.read_text()) == wanted:
         return layout
+    if root.exists() and any(root.iterdir()):  # never overwrite or mix with other files
+        raise app.UsageError(
+            f"--data_dir={root} holds other files or another size of this data set "
+            f"({done.name}: {done.read_text() if done.exists() else 'none'}); pass a new or "
+            "empty folder"
+        )
     photos = photographs()
     rng = np.random.default_rng(0)
     wnids = imagenet_wnids()

@@ -348,6 +348,52 @@ def test_eval_covers_split_exactly_once_over_two_hosts(digits_data_dir):
     )
 
 
+@pytest.mark.parametrize("preprocess", ["imagenet", "crop_only"])
+def test_eval_source_reads_the_same_examples_in_batches(tmp_path, preprocess):
+    """loop.as_source reads READ_BATCH examples per call (issue 68): the same examples, in
+    the same order, bitwise, and the same host batches as reading one at a time."""
+    import imageio.v3 as iio
+
+    from rspc_jax.evaluation import loop
+
+    rng = np.random.default_rng(0)
+    count = loop.READ_BATCH + 7  # a full read batch and a partial one
+    paths, labels = [], []
+    for i in range(count):
+        height, width = rng.integers(200, 300), rng.integers(200, 300)
+        path = tmp_path / f"{i}.jpg"
+        iio.imwrite(path, rng.integers(0, 256, (height, width, 3), dtype=np.uint8), quality=90)
+        paths.append(str(path))
+        labels.append(i % 5)
+    fn = eval_data.crop_only if preprocess == "crop_only" else eval_data.imagenet
+    ds, largest = eval_data.file_examples(
+        paths, labels, image_size=64, preprocess=fn, process_index=0, process_count=1
+    )
+    one_at_a_time = [(ex["image"], ex["label"]) for ex in ds.as_numpy_iterator()]
+    source, _ = loop.as_source(ds, largest)
+    batched = list(source)
+    assert len(batched) == len(one_at_a_time) == count
+    for (image, label), (want_image, want_label) in zip(batched, one_at_a_time):
+        np.testing.assert_array_equal(image, want_image)
+        assert label == want_label and image.dtype == want_image.dtype == np.uint8
+
+    def host(examples):
+        return list(
+            eval_data.host_batches(
+                examples,
+                local_batch=16,
+                batches=eval_data.num_batches(largest, 16),
+                image_shape=(64, 64, 3),
+                mean=(0.5, 0.4, 0.3),
+                std=(0.2, 0.3, 0.25),
+            )
+        )
+
+    for got, want in zip(host(loop.as_source(ds, largest)[0]), host(iter(one_at_a_time))):
+        for name in ("image", "label", "mask"):
+            np.testing.assert_array_equal(got[name], want[name])
+
+
 def test_eval_center_crop_is_resize_then_central_crop(digits_data_dir):
     batches, _ = eval_batches(
         dataset=DIGITS,
