@@ -21,8 +21,8 @@ content`) and random patches, with plain and clean + corrupted. `:per_image_vali
 its C was chosen: the candidate Cs trained on training digits 0-1199 and evaluated on 1200-1499
 (never on the test set), seed 0.
 
-`:payoff` asks whether learned selection buys robustness where the test is not random (issue
-66; docs/study/payoff/): canvas16 and textured16 at lambda 0.5 with plain, random patches, the
+`:payoff` asks whether learned selection buys robustness where the test is not random
+(docs/study/payoff/): canvas16 and textured16 at lambda 0.5 with plain, random patches, the
 official C, the content C and the mixed-mask remedies on the content C, evaluated on unseen
 corruptions (`corrupted_local`), the worst case over every mask, random occlusion and clean
 digits. Seeds 0-7 are the plan; run them in parts (`--settings`, `--seeds`).
