@@ -203,6 +203,12 @@ def _failure(command: Command, result) -> str:
     return f"README line {command.line} failed (exit {result.returncode}): {command.text}\n{tail}"
 
 
+def _report(command: Command, result) -> None:
+    """The command and its last printed line (shown with `pytest -s`)."""
+    lines = (result.stdout + result.stderr).strip().splitlines() or [""]
+    print(f"README line {command.line}: {command.text}\n    -> {lines[-1][-200:]}")
+
+
 def _shortened(text: str) -> str:
     """README's text with SHORTER's flags and the smoke variants of the long runs."""
     module = text.split()[2]
@@ -228,6 +234,7 @@ def test_readme_commands_that_run_on_a_cpu_run_as_written(tmp_path):
         result = _shell(_shortened(command.text), checkout, env)
         assert result.returncode == 0, _failure(command, result)
         ran.append(command.text)
+        _report(command, result)
     _check_outputs(checkout, ran)
 
 
@@ -285,6 +292,7 @@ def test_readme_commands_that_need_imagenet_or_an_accelerator_parse(command, tmp
     )
     assert result.returncode == 0, _failure(command, result)
     assert f"parsed {words[2]}" in result.stdout
+    _report(command, result)
 
 
 def test_readme_launch_commands_print_their_gcloud_commands(tmp_path):
@@ -294,6 +302,7 @@ def test_readme_launch_commands_print_their_gcloud_commands(tmp_path):
         env = {**_environment(tmp_path), **command.env}
         result = _shell(text, REPO, env, timeout=60)
         assert result.returncode == 0 and "gcloud " in result.stdout, _failure(command, result)
+        _report(command, result)
 
 
 def test_readme_python_snippets_compile():
