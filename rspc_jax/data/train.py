@@ -30,6 +30,21 @@ from rspc_jax.data.records import (
 from rspc_jax.data.specs import DatasetSpec, dataset_spec
 
 
+def recipe_args(config) -> dict:
+    """The augmentation recipe of a run's config as `train_iterator`'s keyword arguments: the
+    training loop and the input-pipeline benchmark read the same recipe from one place."""
+    return dict(
+        augment=config.augment,
+        shuffle_buffer=config.shuffle_buffer,
+        rand_augment=config.rand_augment,
+        random_erase_prob=config.random_erase_prob,
+        repeated_augment=config.repeated_augment,
+        color_jitter=config.color_jitter,
+        crop_area=tuple(config.crop_area) or None,
+        crop_aspect=tuple(config.crop_aspect) or None,
+    )
+
+
 def _random_translate(image, key, size, pad):
     """Shift by up to +-pad pixels in each direction, filling with zeros."""
     padded = tf.pad(image, [[pad, pad], [pad, pad], [0, 0]])
