@@ -204,9 +204,10 @@ def _failure(command: Command, result) -> str:
 
 
 def _report(command: Command, result) -> None:
-    """The command and its last printed line (shown with `pytest -s`)."""
-    lines = (result.stdout + result.stderr).strip().splitlines() or [""]
-    print(f"README line {command.line}: {command.text}\n    -> {lines[-1][-200:]}")
+    """The command as run and its last line on stdout (else stderr; shown with `pytest -s`)."""
+    lines = (result.stdout.strip() or result.stderr.strip()).splitlines() or [""]
+    ran = result.args[2] if result.args[:2] == ["bash", "-c"] else command.text
+    print(f"README line {command.line}: {ran}\n    -> {lines[-1][-200:]}")
 
 
 def _shortened(text: str) -> str:
