@@ -152,7 +152,7 @@ def _per_image(c, validation: bool) -> None:
 
 
 _CONTENT = "rspc lam=0.5 corruption_model=content temperature=1.0"  # the per-image C
-# Does learned selection pay off where the test is not random (issue 66)? Plain, random
+# Does learned selection pay off where the test is not random? Plain, random
 # patches, the official and the content C, and the remedies of docs/method.md "Mixed masks"
 # on the content C: half of each mask from C (f = 0.5), that half ramped up over the 15
 # epochs (HPM), C's masks on half of each batch (AttMask).

@@ -421,7 +421,7 @@ def test_random_erasing_probability():
 
 def _random_erasing_before(image, key, prob, min_area=0.02, max_area=1 / 3, min_aspect=0.3):
     """augment.random_erasing as it was before it skipped the images it does not erase
-    (issue 68): the box's noise padded to the image and selected everywhere."""
+    (the box's noise padded to the image and selected everywhere)."""
     coin_key, shape_key, top_key, left_key, noise_key = tf.unstack(
         tf.random.experimental.stateless_split(key, 5)
     )

@@ -350,7 +350,7 @@ def test_eval_covers_split_exactly_once_over_two_hosts(digits_data_dir):
 
 @pytest.mark.parametrize("preprocess", ["imagenet", "crop_only"])
 def test_eval_source_reads_the_same_examples_in_batches(tmp_path, preprocess):
-    """loop.as_source reads READ_BATCH examples per call (issue 68): the same examples, in
+    """loop.as_source reads READ_BATCH examples per call: the same examples, in
     the same order, bitwise, and the same host batches as reading one at a time."""
     import imageio.v3 as iio
 

@@ -79,7 +79,7 @@ def test_per_image_study_chooses_on_held_out_training_digits(digits_data_dir):
 
 
 def test_payoff_study_measures_unseen_corruptions_and_chooses_on_validation_digits():
-    """The payoff study (issue 66): the corruption suite on; its validation variant trains on
+    """The payoff study: the corruption suite on; its validation variant trains on
     training digits 0-1199 and evaluates on 1200-1499, the study itself on the test split."""
     _, validation = load_config(REPO / "configs" / "demo_study.py", "payoff_validation")
     _, final = load_config(REPO / "configs" / "demo_study.py", "payoff")

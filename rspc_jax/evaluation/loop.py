@@ -29,7 +29,7 @@ Source = tuple[Iterator[tuple[np.ndarray, int]], int]
 
 
 # Examples read from tf.data per Python call: one call per example cost the evaluation
-# readers their second core (issue 68); the examples are the same.
+# readers their second core; the examples are the same.
 READ_BATCH = 64
 
 
