@@ -276,7 +276,7 @@ def _differences(runs: list, references: list) -> dict:
     }
 
 
-def learned_vs_random(rows: dict, seeds) -> list[tuple]:
+def learned_vs_random(rows: dict) -> list[tuple]:
     """(method, {metric: difference learned - random per seed}) for every learned method and
     the random-patch method it differs from only in the selection (metrics of PAIRED)."""
     return [
@@ -498,7 +498,7 @@ def _paired_tables(rows: dict, settings) -> list[str]:
         "Each cell: mean ± std over seeds of the paired difference (SE: std / √seeds; then "
         "each seed's). 'mCE vs plain' is in points of the relative corruption error."
     )
-    learned = {s: learned_vs_random(rows[s], None) for s in settings}
+    learned = {s: learned_vs_random(rows[s]) for s in settings}
     plain = {s: against_plain(rows[s]) for s in settings}
     return [
         *_paired_table("Learned against random selection", about, learned),

@@ -27,10 +27,9 @@ from rspc_jax import ConfigError, ReportedError, models
 GiB = 2**30
 LIMIT_ENV = "RSPC_JAX_MEMORY_LIMIT_GIB"
 # The share of the limit kept free: a step fits when XLA's estimate is at most 95% of it. The
-# estimate is XLA's plan, not a measurement, and on CPU the process's allocator, the input
-# pipeline and the evaluation take more: the demo's ViT at width 256, depth 6, 64 px, batch 1024
-# in 4 micro-batches, estimated at 5.09 GiB against a limit of 4.95 GiB (6 GiB cgroup), was
-# killed at its first step.
+# estimate is XLA's plan, not a measurement; the allocator, the input pipeline and the
+# evaluation take more (docs/faults.md, "Out of memory, said before the first step", has the
+# run just over the limit that was killed).
 MARGIN = 0.05
 _NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
 
