@@ -97,6 +97,21 @@ def test_payoff_study_measures_unseen_corruptions_and_chooses_on_validation_digi
         assert {study_runner.random_twin(m) for m in learned} == {"random_patches lam=0.5"}
 
 
+def test_payoff_headline_runs_the_chosen_c_against_both_baselines_on_the_same_runs():
+    """The headline part of the payoff study: the validation's choice (the official C at
+    lambda 0.5) with random patches and plain training, every run one the full study also
+    has (same run directory), so seeds finished by either count for both."""
+    _, full = load_config(REPO / "configs" / "demo_study.py", "payoff")
+    _, headline = load_config(REPO / "configs" / "demo_study.py", "payoff_headline")
+    study_runner.check(headline)
+    assert headline.study.seeds == full.study.seeds
+    assert headline.evaluation.to_dict() == full.evaluation.to_dict()
+    for setting, spec in headline.study.settings.items():
+        assert tuple(spec.methods) == ("clean", "random_patches lam=0.5", "rspc lam=0.5")
+        assert set(spec.methods) < set(full.study.settings[setting].methods)
+        assert spec.config.to_dict() == full.study.settings[setting].config.to_dict()
+
+
 @pytest.mark.parametrize("method", ["rspc lamda=0.5", "no_such_method"])
 def test_bad_method_fails_before_training(digits_data_dir, tmp_path, method):
     config = _smoke_config(digits_data_dir)
