@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.conftest import run_python, skip_without
@@ -89,6 +90,42 @@ def test_layouts_are_what_the_readers_read(run):
     sizes = {Image.open(p).size for p in list(layout["train"].rglob("*.JPEG"))}
     assert all(500 <= max(s) <= 640 and 330 <= min(s) <= 512 for s in sizes), sizes
     assert {Image.open(p).size for p in paths[:20]} == {(224, 224)}
+
+
+def test_profile_prints_each_stage_of_both_sides(run):
+    """benchmarks/input_profile on the same tiny data set: every stage and RandAugment op has
+    a time on both sides, and each table's total is the sum of its stages."""
+    _, data = run
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.input_profile", f"--data_dir={data}"]
+        + [f"--images={IMAGES}", f"--classes={CLASSES}", f"--val_images={VAL_IMAGES}"]
+        + [f"--c_images={C_IMAGES}", "--timed=4", "--warmup=2", "--op_images=3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    from benchmarks import input_profile
+
+    lines = done.stdout.splitlines()
+    for title, stages in (
+        ("training", input_profile.TRAIN_STAGES),
+        ("evaluation", input_profile.EVAL_STAGES),
+    ):
+        start = next(i for i, line in enumerate(lines) if line.startswith(title + " (ms"))
+        rows = lines[start + 2 : start + 3 + len(stages)]
+        assert [r[:24].strip() for r in rows] == [*stages, "total"], rows
+        values = np.array([[float(x) for x in r[24:].split()] for r in rows])
+        np.testing.assert_allclose(values[:-1, :2].sum(0), values[-1, :2], atol=0.02)
+        assert (values[-1, :2] > 0).all(), rows
+    ops = [
+        line.split()
+        for line in lines
+        if line.split()[:1] and line.split()[0] in input_profile._OP_NAMES
+    ]
+    assert [op[0] for op in ops] == input_profile._OP_NAMES, ops
+    assert all(float(op[2]) > 0 for op in ops), ops  # official: a PIL op always costs something
 
 
 _POSTERIZE = """
