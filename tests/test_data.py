@@ -394,6 +394,86 @@ def test_eval_source_reads_the_same_examples_in_batches(tmp_path, preprocess):
             np.testing.assert_array_equal(got[name], want[name])
 
 
+def _host_batches_before(
+    examples, *, local_batch, batches, image_shape, mean, std, transform=None, limit=0
+):
+    """host_batches as it was before it normalised in place (the oracle of the test below)."""
+    mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    iterator, taken = iter(examples), 0
+    for _ in range(batches):
+        images, labels = [], []
+        while len(images) < local_batch and (not limit or taken < limit):
+            try:
+                image, label = next(iterator)
+            except StopIteration:
+                break
+            images.append(np.asarray(image, np.uint8))
+            labels.append(int(label))
+            taken += 1
+        count = len(images)
+        pixels = np.zeros((0,) + tuple(image_shape), np.float32)
+        if count:
+            raw = np.stack(images)
+            if transform is not None:
+                raw = transform(raw, np.asarray(labels))
+            pixels = (raw.astype(np.float32) / 255.0 - mean) / std
+        padding = local_batch - count
+        yield {
+            "image": np.concatenate(
+                [pixels, np.zeros((padding,) + tuple(image_shape), np.float32)]
+            ),
+            "label": np.asarray(labels + [0] * padding, np.int32),
+            "mask": np.asarray([1.0] * count + [0.0] * padding, np.float32),
+        }
+
+
+@pytest.mark.parametrize("limit", [0, 21])
+@pytest.mark.parametrize("with_transform", [False, True])
+def test_host_batches_bitwise_as_before(limit, with_transform):
+    """In-place normalisation gives the same bits as the array-per-step arithmetic it
+    replaced: every pixel value, ImageNet's mean/std, a transform, a limit, padding and
+    batches past the last example."""
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (37, 5, 4, 3), dtype=np.uint8)
+    images[:5] = np.resize(np.arange(256, dtype=np.uint8), (5, 5, 4, 3))  # every value
+    labels = rng.integers(0, 1000, 37)
+
+    def transform(batch, batch_labels):
+        return (255 - batch) // 2 + (batch_labels[:, None, None, None] % 3).astype(np.uint8)
+
+    settings = dict(
+        local_batch=8,
+        batches=6,
+        image_shape=(5, 4, 3),
+        mean=(0.485, 0.456, 0.406),
+        std=(0.229, 0.224, 0.225),
+        transform=transform if with_transform else None,
+        limit=limit,
+    )
+    got = list(eval_data.host_batches(zip(images, labels), **settings))
+    want = list(_host_batches_before(zip(images, labels), **settings))
+    assert len(got) == len(want) == 6
+    for g, w in zip(got, want):
+        for name in ("image", "label", "mask"):
+            assert g[name].dtype == w[name].dtype and g[name].shape == w[name].shape
+            np.testing.assert_array_equal(g[name], w[name])
+
+
+def test_host_batches_refuses_an_example_of_another_shape():
+    examples = [(np.zeros((5, 4, 3), np.uint8), 1), (np.zeros((5, 4, 1), np.uint8), 2)]
+    with pytest.raises(ValueError, match=r"shape \(5, 4, 1\).*image_shape"):
+        list(
+            eval_data.host_batches(
+                examples,
+                local_batch=4,
+                batches=1,
+                image_shape=(5, 4, 3),
+                mean=(0, 0, 0),
+                std=(1, 1, 1),
+            )
+        )
+
+
 def test_eval_center_crop_is_resize_then_central_crop(digits_data_dir):
     batches, _ = eval_batches(
         dataset=DIGITS,
