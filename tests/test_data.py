@@ -250,6 +250,61 @@ def test_repeated_augmentation_emits_consecutive_copies(digits_data_dir):
         assert not np.array_equal(first, third)
 
 
+def _train_batches_before(data_dir, *, split, start_step, repeats, local_batch_size=8, size=16):
+    """The training stream as it was before repeated copies were decoded once: the oracle of
+    the test below (the digits crop, the timm recipe, seed 0, one host)."""
+    fold_in = tf.random.experimental.stateless_fold_in
+    builder = records.get_builder(DIGITS, data_dir)
+    encoded = records.encoded_records(builder, split)
+    epoch_size = records.num_examples_of(encoded)
+    start_epoch, offset = divmod(start_step * local_batch_size, epoch_size * repeats)
+    host_key = tf.constant([0, 0], tf.int64)
+
+    def copies(key, ex):
+        keys = tf.stack([fold_in(key, r) for r in range(repeats)])
+        return keys, tf.nest.map_structure(lambda t: tf.stack([t] * repeats), ex)
+
+    def one_epoch(epoch):
+        epoch_key = fold_in(host_key, epoch)
+        seed = tf.random.stateless_uniform([], epoch_key, None, None, dtype=tf.int64)
+        shuffled = encoded.enumerate().shuffle(10_000, seed=seed)
+        keyed = shuffled.map(lambda index, ex: (fold_in(epoch_key, index), ex))
+        return keyed if repeats == 1 else keyed.map(copies).unbatch()
+
+    decode = records.image_decoder(builder)
+    spec = datasets.dataset_spec(DIGITS)
+
+    def prepare(key, ex):
+        image = train_data._train_digits(decode(ex["image"]), key, size)
+        image = train_data.augment_lib.rand_augment(
+            image, fold_in(key, 1), TIMM_RECIPE["rand_augment"]
+        )
+        image = train_data._normalise(image, spec, size)
+        image = train_data.augment_lib.random_erasing(image, fold_in(key, 2), 0.25)
+        return {"image": image, "label": ex["label"]}
+
+    ds = tf.data.Dataset.counter(start_epoch).flat_map(one_epoch).skip(offset).map(prepare)
+    return ds.batch(local_batch_size, drop_remainder=True).as_numpy_iterator()
+
+
+@pytest.mark.parametrize("repeats,start", [(1, 0), (3, 0), (3, 4), (3, 7)])
+def test_copies_decoded_once_are_bitwise_the_stream_before(digits_data_dir, repeats, start):
+    """Decoding each record once for all its repeated-augmentation copies changes no bit of
+    the stream, from step 0 or resumed inside a record's copies (20 records x 3 copies =
+    60 per epoch: step 4 starts at copy 2 of record 10, step 7 crosses the epoch)."""
+    common = dict(split="train[:20]", repeated_augment=repeats, **TIMM_RECIPE)
+    got = take(digits_train(digits_data_dir, start_step=start, **common), 3)
+    want = take(
+        _train_batches_before(
+            digits_data_dir, split="train[:20]", start_step=start, repeats=repeats
+        ),
+        3,
+    )
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g["image"], w["image"])
+        np.testing.assert_array_equal(g["label"], w["label"])
+
+
 def test_timm_augmentations_change_only_what_they_should(digits_data_dir):
     base = next(digits_train(digits_data_dir, augment="digits"))
     erased = next(digits_train(digits_data_dir, augment="digits", random_erase_prob=1.0))

@@ -4,9 +4,11 @@ Training streams are a pure function of (seed, host, step): epoch `e` is the
 host shard reshuffled with a seed derived from (seed, host, e), and every
 example is augmented with stateless random ops keyed by (seed, host, e, index
 in the shard). Resuming at `start_step` therefore only skips encoded records of
-the current epoch and never decodes or augments a skipped example. The DeiT/timm
-augmentations (RandAugment, random erasing, repeated augmentation) live in
-`rspc_jax.data.augment` and `_epoch_stream` and follow the same rule.
+the current epoch and never decodes a skipped record (with repeated augmentation,
+the copies before the resume point of the record it falls in are augmented and
+dropped). The DeiT/timm augmentations (RandAugment, random erasing, repeated
+augmentation) live in `rspc_jax.data.augment` and `_epoch_stream` and follow the
+same rule; a record's repeated copies are decoded once.
 """
 
 from collections.abc import Iterator
@@ -121,29 +123,30 @@ def _normalise(image, spec: DatasetSpec, size: int):
 
 
 def _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats=1):
-    """Infinite stream of (example key, record), starting at `start_epoch`.
+    """Infinite stream of (copy keys (repeats, 2), record), starting at `start_epoch`.
 
     Each epoch is reshuffled with a seed derived from (host_key, epoch) and each
     record is keyed by (host_key, epoch, index in the shard), so the stream does
     not depend on where it was started.
 
     `repeats` > 1 is DeiT's repeated augmentation (RASampler): every record is
-    emitted `repeats` times in a row, copy r keyed by fold_in(record key, r) so
-    that the copies are augmented differently, and an epoch of the stream has
-    `repeats` x the shard's records. Consecutive copies land in the same batch
-    (except where they straddle a batch boundary), as RASampler sends them to
-    neighbouring GPUs of the same step. RASampler takes the first 1/repeats of
-    a fresh permutation every training epoch; here one permutation is consumed
-    over `repeats` training epochs instead, so each of those still holds about
-    N / repeats records x repeats copies, but no record is skipped however small
-    the shuffle buffer (taking the first third of a buffered shuffle would
-    mostly see the first third of the on-disk order).
+    emitted `repeats` times in a row (`train_iterator` decodes it once and augments
+    each copy), copy r keyed by fold_in(record key, r) so that the copies are
+    augmented differently, and an epoch of the stream has `repeats` x the shard's
+    records. Consecutive copies land in the same batch (except where they straddle
+    a batch boundary), as RASampler sends them to neighbouring GPUs of the same
+    step. RASampler takes the first 1/repeats of a fresh permutation every training
+    epoch; here one permutation is consumed over `repeats` training epochs instead,
+    so each of those still holds about N / repeats records x repeats copies, but no
+    record is skipped however small the shuffle buffer (taking the first third of a
+    buffered shuffle would mostly see the first third of the on-disk order).
     """
     fold_in = tf.random.experimental.stateless_fold_in
 
-    def copies(key, ex):
-        keys = tf.stack([fold_in(key, r) for r in range(repeats)])
-        return keys, tf.nest.map_structure(lambda t: tf.stack([t] * repeats), ex)
+    def copy_keys(key):
+        if repeats == 1:
+            return key[None]
+        return tf.stack([fold_in(key, r) for r in range(repeats)])
 
     def one_epoch(epoch):
         epoch_key = fold_in(host_key, epoch)
@@ -151,8 +154,7 @@ def _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats=1):
             [], seed=epoch_key, minval=None, maxval=None, dtype=tf.int64
         )
         shuffled = records.enumerate().shuffle(shuffle_buffer, seed=shuffle_seed)
-        keyed = shuffled.map(lambda index, ex: (fold_in(epoch_key, index), ex))
-        return keyed if repeats == 1 else keyed.map(copies).unbatch()
+        return shuffled.map(lambda index, ex: (copy_keys(fold_in(epoch_key, index)), ex))
 
     return tf.data.Dataset.counter(start_epoch).flat_map(one_epoch)
 
@@ -217,8 +219,8 @@ def train_iterator(
     decode = image_decoder(builder)
     fold_in = tf.random.experimental.stateless_fold_in
 
-    def prepare(key, ex):
-        image = preprocess(decode(ex["image"]), key, image_size)
+    def augmented(image, key):
+        image = preprocess(image, key, image_size)
         if color_jitter > 0:
             image = augment_lib.color_jitter(image, fold_in(key, 3), color_jitter)
         if rand_augment:
@@ -226,10 +228,18 @@ def train_iterator(
         image = _normalise(image, spec, image_size)
         if random_erase_prob > 0:
             image = augment_lib.random_erasing(image, fold_in(key, 2), random_erase_prob)
-        return {"image": image, "label": ex["label"]}
+        return image
+
+    def prepare(keys, ex):
+        """The record's copies: decoded once, each copy augmented with its own key."""
+        image = decode(ex["image"])
+        copies = tf.stack([augmented(image, keys[r]) for r in range(repeats)])
+        return {"image": copies, "label": tf.fill([repeats], ex["label"])}
 
     ds = _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats)
-    ds = ds.skip(offset).map(prepare, num_parallel_calls=AUTOTUNE)
+    # Whole records skipped undecoded, then the copies of the record the offset falls in.
+    ds = ds.skip(offset // repeats).map(prepare, num_parallel_calls=AUTOTUNE)
+    ds = ds.unbatch().skip(offset % repeats)
     ds = ds.batch(local_batch_size, drop_remainder=True).prefetch(AUTOTUNE)
     # tf.data's autotuning off: with it, tearing down the iterator when a run stopped could
     # wait for seconds before the process exited (docs/faults.md, 'Exit times'); the digits
