@@ -320,6 +320,33 @@ def test_geometric_ops_match_pil_bilinear(negate):
         assert (diff > 0).mean() < 0.02, name
 
 
+def _inside_before(image_shape, matrix):
+    """_affine's in-bounds mask as it was computed before (on a meshgrid): the oracle below."""
+    a, b, c, d, e, f = (tf.constant(v, tf.float64) for v in matrix)
+    height, width = (tf.constant(float(n), tf.float64) for n in image_shape[:2])
+    ys, xs = tf.meshgrid(tf.range(height) + 0.5, tf.range(width) + 0.5, indexing="ij")
+    x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f
+    return ((x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)).numpy()
+
+
+@pytest.mark.parametrize("size", [(224, 224), (37, 53)])
+def test_affine_fill_region_bitwise_as_before(size):
+    """The affine ops fill exactly the pixels they filled when the in-bounds test ran on a
+    meshgrid: a constant image shows the fill region, over rotations, shears and
+    translations that put the boundary on pixel centres."""
+    image = np.full((*size, 3), 7.0, np.float32)
+    h, w = size
+    matrices = [pil_rotate_matrix(deg, w, h) for deg in (-30.0, -12.5, 0.0, 17.0, 27.0, 90.0)]
+    matrices += [(1, s, 0, 0, 1, 0) for s in (-0.3, -0.27, 0.125, 0.3)]
+    matrices += [(1, 0, 0, s, 1, 0) for s in (-0.3, 0.25)]
+    matrices += [(1, 0, t * w, 0, 1, 0) for t in (-0.45, -0.25, 0.4)]
+    matrices += [(1, 0, 0, 0, 1, t * h) for t in (-0.405, 0.5)]
+    for matrix in matrices:
+        out = augment._affine(tf.constant(image), tuple(float(v) for v in matrix)).numpy()
+        filled = (out != 7.0).all(-1)
+        np.testing.assert_array_equal(filled, ~_inside_before(size, matrix), err_msg=str(matrix))
+
+
 # --- RandAugment as a whole ---
 
 

@@ -40,15 +40,20 @@ def _blend(degenerate, image, factor):
 def _auto_contrast(image):
     """ImageOps.autocontrast: per channel int(x * scale - lo * scale), clipped.
 
-    scale = 255 / (hi - lo) in float64 as in PIL; a constant channel is kept.
+    scale = 255 / (hi - lo) in float64 as in PIL; a constant channel is kept. As in PIL, a
+    lookup table of the 256 values per channel, then one gather over the pixels.
     """
     lo = tf.reduce_min(image, axis=[0, 1])
     hi = tf.reduce_max(image, axis=[0, 1])
     scale = 255.0 / tf.cast(tf.maximum(hi - lo, 1.0), tf.float64)
     offset = -tf.cast(lo, tf.float64) * scale
-    stretched = tf.floor(tf.cast(image, tf.float64) * scale + offset)
-    stretched = tf.cast(tf.clip_by_value(stretched, 0.0, 255.0), tf.float32)
-    return tf.where(hi > lo, stretched, image)
+    values = tf.range(256, dtype=tf.float64)[:, None]  # (256, 3) rows: value, columns: channel
+    stretched = tf.clip_by_value(tf.floor(values * scale + offset), 0.0, 255.0)
+    lut = tf.reshape(
+        tf.where(hi > lo, tf.cast(stretched, tf.float32), tf.cast(values, tf.float32)), [-1]
+    )
+    index = tf.cast(image, tf.int32) * 3 + tf.range(3)
+    return tf.gather(lut, index)
 
 
 def _equalize(image):
@@ -150,8 +155,11 @@ def _affine(image, matrix):
         fill_mode="NEAREST",
     )[0]
     height, width = tf.unstack(tf.cast(size, tf.float64))
-    ys, xs = tf.meshgrid(tf.range(height) + 0.5, tf.range(width) + 0.5, indexing="ij")
-    x_in, y_in = a * xs + b * ys + c, d * xs + e * ys + f
+    # a x + b y + c over the grid of centres, as the sum of a row and a column: the same
+    # products and sums as on a meshgrid, without materialising one.
+    xs, ys = tf.range(width) + 0.5, (tf.range(height) + 0.5)[:, None]
+    x_in = (a * xs + b * ys) + c
+    y_in = (d * xs + e * ys) + f
     inside = (x_in >= 0) & (x_in < width) & (y_in >= 0) & (y_in < height)
     # The epsilon keeps float32 interpolation error off exact integer values.
     warped = tf.floor(warped + 1e-3)
