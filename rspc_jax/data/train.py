@@ -159,6 +159,24 @@ def _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats=1):
     return tf.data.Dataset.counter(start_epoch).flat_map(one_epoch)
 
 
+def _augmenter(preprocess, spec, image_size, color_jitter, rand_augment, random_erase_prob):
+    """One decoded image and its key -> one augmented, normalised copy (timm's order)."""
+    fold_in = tf.random.experimental.stateless_fold_in
+
+    def augmented(image, key):
+        image = preprocess(image, key, image_size)
+        if color_jitter > 0:
+            image = augment_lib.color_jitter(image, fold_in(key, 3), color_jitter)
+        if rand_augment:
+            image = augment_lib.rand_augment(image, fold_in(key, 1), rand_augment)
+        image = _normalise(image, spec, image_size)
+        if random_erase_prob > 0:
+            image = augment_lib.random_erasing(image, fold_in(key, 2), random_erase_prob)
+        return image
+
+    return augmented
+
+
 def train_iterator(
     *,
     dataset: str,
@@ -217,18 +235,9 @@ def train_iterator(
     start_epoch, offset = divmod(start_step * local_batch_size, epoch_size * repeats)
     host_key = tf.constant([seed, process_index], tf.int64)
     decode = image_decoder(builder)
-    fold_in = tf.random.experimental.stateless_fold_in
-
-    def augmented(image, key):
-        image = preprocess(image, key, image_size)
-        if color_jitter > 0:
-            image = augment_lib.color_jitter(image, fold_in(key, 3), color_jitter)
-        if rand_augment:
-            image = augment_lib.rand_augment(image, fold_in(key, 1), rand_augment)
-        image = _normalise(image, spec, image_size)
-        if random_erase_prob > 0:
-            image = augment_lib.random_erasing(image, fold_in(key, 2), random_erase_prob)
-        return image
+    augmented = _augmenter(
+        preprocess, spec, image_size, color_jitter, rand_augment, random_erase_prob
+    )
 
     def prepare(keys, ex):
         """The record's copies: decoded once, each copy augmented with its own key."""
