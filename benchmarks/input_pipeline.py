@@ -26,8 +26,9 @@ Then, one measurement at a time, each in its own process pinned to 1, 2, ... cor
   device and is not counted); official is DeiT's `create_transform(is_training=True, ...)`
   on an ImageFolder in a DataLoader with as many workers as cores;
 - eval: resize 256 + centre crop 224 of the validation split: ours is the evaluation
-  loop's path (`eval_examples` -> `as_source` -> `host_batches`), official DeiT's eval
-  transform in a DataLoader;
+  loop's path (`eval_examples` -> `as_source` -> `host_batches`, uint8 batches that the
+  accelerator normalises, not counted, as mixup), official DeiT's eval transform (with its
+  normalisation) in a DataLoader;
 - imagenet_c: one (corruption, severity) folder: ours `sources.imagenet_c_examples` ->
   `file_examples(crop_only)` -> `host_batches`, official RVT's loop (ImageFolder with
   CenterCrop(224) in a DataLoader).
@@ -341,6 +342,7 @@ def ours(path: str, layout: dict, batch: int):
                 image_shape=(size, size, 3),
                 mean=spec.mean,
                 std=spec.std,
+                normalise=False,  # as the loop: the accelerator normalises
             ):
                 yield int(out["mask"].sum())
 

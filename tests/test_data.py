@@ -514,6 +514,64 @@ def test_host_batches_bitwise_as_before(limit, with_transform):
             np.testing.assert_array_equal(g[name], w[name])
 
 
+@pytest.mark.parametrize("with_transform", [False, True])
+def test_uint8_host_batches_normalised_on_the_devices_give_the_host_bits(with_transform):
+    """The evaluation loop's path: host_batches(normalise=False) yields the uint8 pixels
+    (after the transform, padding zero), and `loop.normaliser` (the Context's lookup of `pixel_table`) on the
+    devices gives exactly the bits of host_batches' own normalisation, over every value."""
+    import jax.numpy as jnp
+
+    from rspc_jax.evaluation import loop
+
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (21, 5, 4, 3), dtype=np.uint8)
+    images[:5] = np.resize(np.arange(256, dtype=np.uint8), (5, 5, 4, 3))
+    labels = rng.integers(0, 1000, 21)
+
+    def transform(batch, batch_labels):
+        return (255 - batch) // 2 + (batch_labels[:, None, None, None] % 3).astype(np.uint8)
+
+    spec = datasets.dataset_spec("imagenet2012")
+    settings = dict(
+        local_batch=8,
+        batches=3,
+        image_shape=(5, 4, 3),
+        mean=spec.mean,
+        std=spec.std,
+        transform=transform if with_transform else None,
+    )
+    host = list(eval_data.host_batches(zip(images, labels), **settings))
+    raw = list(eval_data.host_batches(zip(images, labels), normalise=False, **settings))
+    normalise = loop.normaliser(spec.mean, spec.std)
+    for h, r in zip(host, raw):
+        assert r["image"].dtype == np.uint8
+        np.testing.assert_array_equal(r["label"], h["label"])
+        np.testing.assert_array_equal(r["mask"], h["mask"])
+        real = h["mask"] > 0
+        assert not r["image"][~real].any()  # padding stays zero
+        on_devices = normalise(jnp.asarray(r["image"]))
+        assert on_devices.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(on_devices)[real], h["image"][real])
+    expected = transform(images[:8], labels[:8]) if with_transform else images[:8]
+    np.testing.assert_array_equal(raw[0]["image"], expected)
+
+
+def test_host_batches_refuses_a_transform_that_is_not_uint8():
+    examples = [(np.zeros((5, 4, 3), np.uint8), 1)]
+    with pytest.raises(TypeError, match="float64 images.*uint8"):
+        list(
+            eval_data.host_batches(
+                examples,
+                local_batch=2,
+                batches=1,
+                image_shape=(5, 4, 3),
+                mean=(0.5,) * 3,
+                std=(0.2,) * 3,
+                transform=lambda images, labels: images / 2.0,
+            )
+        )
+
+
 def test_host_batches_refuses_an_example_of_another_shape():
     examples = [(np.zeros((5, 4, 3), np.uint8), 1), (np.zeros((5, 4, 1), np.uint8), 2)]
     with pytest.raises(ValueError, match=r"shape \(5, 4, 1\).*image_shape"):
