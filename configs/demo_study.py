@@ -30,6 +30,8 @@ digits. Seeds 0-7 are the plan; run them in parts (`--settings`, `--seeds`).
 seed 0. `:payoff_headline` is the part of `:payoff` that the headline needs, at 3/7 of its
 cost per seed: the validation's choice (the official C at lambda 0.5) against random patches
 and plain training, the same runs (and run directories) as `:payoff`, over seeds 0-15.
+`:payoff_schedule` (and `:payoff_schedule_validation`) are the same for the schedules on
+the official C's objective: a warm-up before C learns, and C helping before it attacks.
 
 Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
@@ -52,6 +54,8 @@ _VARIANTS = (
     "payoff",
     "payoff_validation",
     "payoff_headline",
+    "payoff_schedule",
+    "payoff_schedule_validation",
 )
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
@@ -108,6 +112,8 @@ def get_config(arg=None):
         _per_image(c, validation=arg == "per_image_validation")
     if arg in ("payoff", "payoff_validation", "payoff_headline"):
         _payoff(c, validation=arg == "payoff_validation", headline=arg == "payoff_headline")
+    if arg in ("payoff_schedule", "payoff_schedule_validation"):
+        _payoff(c, validation=arg == "payoff_schedule_validation", methods=_SCHEDULES)
     if arg == "smoke":
         c.study.seeds = (0,)
         c.study.settings = dict(
@@ -180,16 +186,25 @@ _PAYOFF = (
 
 # The validation's choice (docs/study/findings.md) with the two baselines it must beat.
 _HEADLINE = ("clean", "random_patches lam=0.5", "rspc lam=0.5")
+# The schedules on the official C's objective (docs/method.md, "A schedule on C's
+# objective"), fixed before any of their numbers: C frozen for the first 5 of the 15 epochs
+# (the other runs leave the chance-level loss after 4-6 epochs), or C helping at first and
+# adversarial from epoch 10 on (CL-MAE's curriculum); with their random-patch twin.
+_SCHEDULES = (
+    "rspc lam=0.5 corruption_warmup_epochs=5.0",
+    "rspc lam=0.5 corruption_curriculum_epochs=10.0",
+    "random_patches lam=0.5",
+)
 
 
-def _payoff(c, validation: bool, headline: bool = False) -> None:
+def _payoff(c, validation: bool, headline: bool = False, methods=None) -> None:
     """The payoff study (docs/study/payoff/): unseen corruptions, the worst case over every
     mask of 2 of 16 patches, random occlusion and clean accuracy, on the canvas and the
     textured digits. Seeds 0-7 are the plan (0-15 for the headline); `--seeds` runs them in
     parts. The validation variant trains on training digits 0-1199 and evaluates on
     1200-1499, seed 0; the headline variant runs only the validation's choice and the two
     baselines."""
-    methods = _HEADLINE if headline else _PAYOFF
+    methods = methods or (_HEADLINE if headline else _PAYOFF)
     c.study.settings = dict(
         canvas16=dict(
             about="digits at random places of a black 16x16 canvas, 16 tokens",

@@ -479,19 +479,42 @@ def negate_finite() -> optax.GradientTransformation:
     )
 
 
-def corruption_optimizer(config) -> optax.GradientTransformation:
+def corruption_optimizer(
+    config, warmup_steps: int = 0, curriculum_steps: int = 0
+) -> optax.GradientTransformation:
     """Gradient *ascent* for C in the official order.
 
     clip to global norm -> negate (NaN/Inf -> 0) -> coupled L2 weight decay (torch SGD
     adds wd * param after the negation, so decay still shrinks C) -> Nesterov momentum
-    SGD at a constant learning rate.
+    SGD at a constant learning rate. With a schedule (`corruption_direction`, not in the
+    paper) C's clipped gradient is first multiplied by its value; without one the chain is
+    the official one, state and all.
     """
+    schedule = ()
+    if warmup_steps or curriculum_steps:
+        schedule = (optax.scale_by_schedule(corruption_direction(warmup_steps, curriculum_steps)),)
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
+        *schedule,
         negate_finite(),
         optax.add_decayed_weights(config.weight_decay),
         optax.sgd(config.lr, momentum=config.momentum, nesterov=config.nesterov),
     )
+
+
+def corruption_direction(warmup_steps: int, curriculum_steps: int):
+    """fn(C's update count) -> the factor on C's gradient (`rspc.corruption_warmup_epochs`,
+    `corruption_curriculum_epochs`; docs/method.md, "A schedule on C's objective"): 0 for
+    the first `warmup_steps` (the classifier learns before C moves), then from -1 to +1
+    linearly over `curriculum_steps` (C first descends the loss, helping, then ascends it,
+    CL-MAE's curriculum), then 1 (the official ascent)."""
+
+    def factor(count):
+        t = jnp.asarray(count, jnp.float32) - warmup_steps
+        ramp = jnp.clip(2.0 * t / max(curriculum_steps, 1) - 1.0, -1.0, 1.0)
+        return jnp.where(t < 0, 0.0, ramp if curriculum_steps else 1.0)
+
+    return factor
 
 
 def selection_temperature(rspc_config) -> float | None:

@@ -20,7 +20,15 @@ VARIANTS.update(
     {
         "xcit_s12_adv.py": [None, "m12", "l12", "smoke"],
         "cifar10_xcit_s12_adv.py": [None, "smoke"],
-        "demo_study.py": [None, "smoke", "payoff", "payoff_validation", "payoff_headline"],
+        "demo_study.py": [
+            None,
+            "smoke",
+            "payoff",
+            "payoff_validation",
+            "payoff_headline",
+            "payoff_schedule",
+            "payoff_schedule_validation",
+        ],
     }
 )
 # An ablation is a variant of any config (configs/<base>.py:<name>); a few that build models.

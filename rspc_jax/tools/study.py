@@ -253,6 +253,8 @@ SELECTION_FIELDS = (
     "learned_fraction",
     "learned_fraction_ramp_epochs",
     "learned_batch_fraction",
+    "corruption_warmup_epochs",
+    "corruption_curriculum_epochs",
 )
 
 

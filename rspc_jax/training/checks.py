@@ -134,6 +134,12 @@ RANGES = {
     "rspc.learned_batch_fraction": Range(
         _probability, "in [0, 1]", "the share of each batch masked by C; 1 = official"
     ),
+    "rspc.corruption_warmup_epochs": Range(
+        _non_negative, ">= 0", "epochs before C starts to learn; 0 = official"
+    ),
+    "rspc.corruption_curriculum_epochs": Range(
+        _non_negative, ">= 0", "epochs over which C turns from helping to adversarial; 0 = none"
+    ),
     "rspc.lam": Range(_non_negative, ">= 0", "the alignment loss weight lambda; paper: 0.005"),
     "rspc.patch_size": Range(_non_negative, ">= 0", "C's patch in pixels; 0 = the model's"),
     "rspc.corruption_grad_scale": Range(_positive, "> 0", "the scale of C's STE gradient"),

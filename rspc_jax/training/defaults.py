@@ -113,6 +113,9 @@ def get_default_config() -> ml_collections.ConfigDict:
             learned_fraction=1.0,  # of the occluded patches, this fraction C's, the rest random
             learned_fraction_ramp_epochs=0.0,  # > 0: that fraction ramps up from 0 (HPM)
             learned_batch_fraction=1.0,  # C's masks on this share of the batch (AttMask)
+            # Beyond the paper (docs/method.md, "A schedule on C's objective"; 0 = official):
+            corruption_warmup_epochs=0.0,  # C frozen for these epochs, then it ascends
+            corruption_curriculum_epochs=0.0,  # then C's gradient goes -1 -> +1 (helping first)
             objective="align",  # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
             fill="noise",  # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
             # | 'drop' (removed from the token sequence; ViT/DeiT)

@@ -208,7 +208,11 @@ def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> 
     )
     abstract_params = models.abstract_variables(model, config.image_size)["params"]
     tx = optim.classifier_optimizer(opt, schedule, abstract_params, model.no_weight_decay_names)
-    corruption_tx = rspc.corruption_optimizer(config.rspc.optimizer)
+    corruption_tx = rspc.corruption_optimizer(
+        config.rspc.optimizer,
+        warmup_steps=round(config.rspc.corruption_warmup_epochs * steps_per_epoch),
+        curriculum_steps=round(config.rspc.corruption_curriculum_epochs * steps_per_epoch),
+    )
     create = functools.partial(
         train_step_lib.create_train_state,
         model=model,
