@@ -114,6 +114,30 @@ def test_payoff_headline_runs_the_chosen_c_against_both_baselines_on_the_same_ru
         assert spec.config.to_dict() == full.study.settings[setting].config.to_dict()
 
 
+def test_payoff_schedule_chooses_on_validation_and_adds_the_choice_to_the_headline_runs():
+    """The schedules on C's objective: both candidates and their random twin on the
+    validation digits; the test variant is the headline's runs plus the choice, so that
+    every baseline run is reused (same evaluation, same settings)."""
+    _, validation = load_config(REPO / "configs" / "demo_study.py", "payoff_schedule_validation")
+    _, test = load_config(REPO / "configs" / "demo_study.py", "payoff_schedule")
+    _, headline = load_config(REPO / "configs" / "demo_study.py", "payoff_headline")
+    assert (validation.train_split, validation.eval_split) == ("train[:1200]", "train[1200:]")
+    assert validation.study.seeds == (0,) and test.study.seeds == tuple(range(8))
+    assert test.evaluation.to_dict() == headline.evaluation.to_dict()
+    for config in (validation, test):
+        study_runner.check(config)
+    candidates = validation.study.settings.canvas16.methods
+    assert {m.split()[-1].partition("=")[0] for m in candidates if m.startswith("rspc")} == {
+        "corruption_warmup_epochs",
+        "corruption_curriculum_epochs",
+    }
+    for setting, spec in test.study.settings.items():
+        chosen = set(spec.methods) - set(headline.study.settings[setting].methods)
+        assert len(chosen) == 1 and chosen <= set(candidates)
+        assert set(headline.study.settings[setting].methods) < set(spec.methods)
+        assert study_runner.random_twin(chosen.pop()) == "random_patches lam=0.5"
+
+
 @pytest.mark.parametrize("method", ["rspc lamda=0.5", "no_such_method"])
 def test_bad_method_fails_before_training(digits_data_dir, tmp_path, method):
     config = _smoke_config(digits_data_dir)
