@@ -462,6 +462,41 @@ def first_batches(config, count: int = 1) -> list:
     return [next(iterator) for _ in range(count)]
 
 
+def random_erasing_before(image, key, prob, min_area=0.02, max_area=1 / 3, min_aspect=0.3):
+    """timm's random erasing as the host pipeline ran it before the accelerator filled the
+    box (and before it skipped the images it does not erase): the oracle of the box draws,
+    on a normalised float32 image, keyed by a TF stateless key."""
+    import math
+
+    import tensorflow as tf
+
+    coin_key, shape_key, top_key, left_key, noise_key = tf.unstack(
+        tf.random.experimental.stateless_split(key, 5)
+    )
+    height, width = tf.shape(image)[0], tf.shape(image)[1]
+    area = tf.cast(height * width, tf.float32)
+    draws = tf.random.stateless_uniform([10, 2], shape_key)
+    target = (min_area + (max_area - min_area) * draws[:, 0]) * area
+    log_lo, log_hi = math.log(min_aspect), math.log(1 / min_aspect)
+    aspect = tf.exp(log_lo + (log_hi - log_lo) * draws[:, 1])
+    heights = tf.cast(tf.round(tf.sqrt(target * aspect)), tf.int32)
+    widths = tf.cast(tf.round(tf.sqrt(target / aspect)), tf.int32)
+    fits = (heights < height) & (widths < width)
+    first = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
+    h, w = heights[first], widths[first]
+    top = tf.random.stateless_uniform([], top_key, 0, tf.maximum(height - h, 0) + 1, dtype=tf.int32)
+    left = tf.random.stateless_uniform(
+        [], left_key, 0, tf.maximum(width - w, 0) + 1, dtype=tf.int32
+    )
+    erase = (tf.random.stateless_uniform([], coin_key) < prob) & tf.reduce_any(fits)
+    h, w = h * tf.cast(erase, tf.int32), w * tf.cast(erase, tf.int32)
+    noise = tf.random.stateless_normal([h, w, tf.shape(image)[2]], noise_key, dtype=image.dtype)
+    noise = tf.pad(noise, [[top, height - top - h], [left, width - left - w], [0, 0]])
+    rows, cols = tf.range(height)[:, None], tf.range(width)[None, :]
+    inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
+    return tf.where(inside[..., None], noise, image)
+
+
 def system_tcmalloc() -> str:
     """The system's tcmalloc library; skips the test where it is not installed."""
     from rspc_jax.tools import allocator

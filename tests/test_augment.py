@@ -1,4 +1,5 @@
-"""timm RandAugment / RandomErasing in TF against numpy ports of PIL and timm."""
+"""timm RandAugment / RandomErasing (host draws, accelerator noise) against numpy ports of
+PIL and timm."""
 
 import math
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from rspc_jax.data import augment, options
+from rspc_jax.data import augment, on_device, options
+from tests.conftest import random_erasing_before
 
 INCREASING = (
     "AutoContrast",
@@ -415,12 +417,21 @@ def erased_box(before, after):
     return top, left, h, w
 
 
+def erase(image, i, prob):
+    """The image erased as training erases it: the host's box draws (key(i)), the
+    accelerator's noise (`on_device.erase`); also returns the box."""
+    box, noise_key = augment.erasing_box(image.shape, key(i), prob)
+    out = on_device.erase(image[None], box.numpy()[None], noise_key.numpy()[None])[0]
+    return np.asarray(out), box.numpy()
+
+
 def test_random_erasing_prob_one_erases_one_box():
     image = np.random.default_rng(9).normal(size=(32, 32, 3)).astype(np.float32)
     fractions, aspects, noise = [], [], []
     for i in range(60):
-        out = augment.random_erasing(tf.constant(image), key(i), 1.0).numpy()
+        out, box = erase(image, i, 1.0)
         top, left, h, w = erased_box(image, out)
+        assert (top, left, h, w) == tuple(box)
         assert h < 32 and w < 32
         fractions.append(h * w / 1024)
         aspects.append(h / w)
@@ -434,61 +445,40 @@ def test_random_erasing_prob_one_erases_one_box():
 
 
 def test_random_erasing_probability():
-    image = tf.constant(np.random.default_rng(10).normal(size=(16, 16, 3)), tf.float32)
+    image = np.random.default_rng(10).normal(size=(16, 16, 3)).astype(np.float32)
     for i in range(20):
-        np.testing.assert_array_equal(augment.random_erasing(image, key(i), 0.0), image)
-    erased = sum(
-        not np.array_equal(augment.random_erasing(image, key(i), 0.25), image) for i in range(200)
-    )
+        out, box = erase(image, i, 0.0)
+        np.testing.assert_array_equal(out, image)
+        assert box[2] == box[3] == 0
+    erased = sum(not np.array_equal(erase(image, i, 0.25)[0], image) for i in range(200))
     assert 30 <= erased <= 70
-    np.testing.assert_array_equal(
-        augment.random_erasing(image, key(3), 0.25), augment.random_erasing(image, key(3), 0.25)
-    )
-
-
-def _random_erasing_before(image, key, prob, min_area=0.02, max_area=1 / 3, min_aspect=0.3):
-    """augment.random_erasing as it was before it skipped the images it does not erase
-    (the box's noise padded to the image and selected everywhere)."""
-    coin_key, shape_key, top_key, left_key, noise_key = tf.unstack(
-        tf.random.experimental.stateless_split(key, 5)
-    )
-    height, width = tf.shape(image)[0], tf.shape(image)[1]
-    area = tf.cast(height * width, tf.float32)
-    draws = tf.random.stateless_uniform([10, 2], shape_key)
-    target = (min_area + (max_area - min_area) * draws[:, 0]) * area
-    log_lo, log_hi = math.log(min_aspect), math.log(1 / min_aspect)
-    aspect = tf.exp(log_lo + (log_hi - log_lo) * draws[:, 1])
-    heights = tf.cast(tf.round(tf.sqrt(target * aspect)), tf.int32)
-    widths = tf.cast(tf.round(tf.sqrt(target / aspect)), tf.int32)
-    fits = (heights < height) & (widths < width)
-    first = tf.argmax(tf.cast(fits, tf.int32), output_type=tf.int32)
-    h, w = heights[first], widths[first]
-    top = tf.random.stateless_uniform([], top_key, 0, tf.maximum(height - h, 0) + 1, dtype=tf.int32)
-    left = tf.random.stateless_uniform(
-        [], left_key, 0, tf.maximum(width - w, 0) + 1, dtype=tf.int32
-    )
-    erase = (tf.random.stateless_uniform([], coin_key) < prob) & tf.reduce_any(fits)
-    h, w = h * tf.cast(erase, tf.int32), w * tf.cast(erase, tf.int32)
-    noise = tf.random.stateless_normal([h, w, tf.shape(image)[2]], noise_key, dtype=image.dtype)
-    noise = tf.pad(noise, [[top, height - top - h], [left, width - left - w], [0, 0]])
-    rows, cols = tf.range(height)[:, None], tf.range(width)[None, :]
-    inside = (rows >= top) & (rows < top + h) & (cols >= left) & (cols < left + w)
-    return tf.where(inside[..., None], noise, image)
+    np.testing.assert_array_equal(erase(image, 3, 0.25)[0], erase(image, 3, 0.25)[0])
 
 
 @pytest.mark.parametrize("size", [(224, 224), (37, 53), (2, 2)])
-def test_random_erasing_bitwise_as_before(size):
-    """Erasing only the images it erases changed no pixel: eagerly and traced as tf.data
-    traces it, on the recipe's size, an odd size and one where no box fits."""
-    image = tf.constant(np.random.default_rng(11).normal(size=(*size, 3)), tf.float32)
-    traced = tf.function(lambda k, p: augment.random_erasing(image, k, p))
+def test_random_erasing_erases_the_box_the_host_erased_before(size):
+    """The host's draws give the box that the host-side erasing (`random_erasing_before`,
+    the same keys) filled, eagerly and traced as tf.data traces them, on the recipe's size,
+    an odd size and one where no box fits; the accelerator leaves every pixel outside it
+    bitwise as it was."""
+    image = np.random.default_rng(11).normal(size=(*size, 3)).astype(np.float32)
+    traced = tf.function(lambda k, p: augment.erasing_box(image.shape, k, p))
     erased = 0
     for i in range(40):
         for prob in (0.25, 1.0):
-            before = _random_erasing_before(image, key(i), prob).numpy()
-            np.testing.assert_array_equal(augment.random_erasing(image, key(i), prob), before)
-            np.testing.assert_array_equal(traced(key(i), tf.constant(prob)), before)
-            erased += not np.array_equal(before, image)
+            before = random_erasing_before(tf.constant(image), key(i), prob).numpy()
+            out, box = erase(image, i, prob)
+            np.testing.assert_array_equal(traced(key(i), tf.constant(prob))[0], box)
+            if np.array_equal(before, image):
+                assert box[2] * box[3] == 0  # not erased (an empty box may be drawn, as timm)
+                np.testing.assert_array_equal(out, image)
+                continue
+            erased += 1
+            assert tuple(box) == erased_box(image, before)
+            inside = np.zeros(size, bool)
+            inside[box[0] : box[0] + box[2], box[1] : box[1] + box[3]] = True
+            np.testing.assert_array_equal(out[~inside], image[~inside])
+            assert (out[inside] != image[inside]).all()
     assert erased > 0 or size == (2, 2)
 
 

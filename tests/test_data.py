@@ -10,9 +10,10 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from rspc_jax.data import eval as eval_data
-from rspc_jax.data import options, records
+from rspc_jax.data import on_device, options, records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
+from tests.conftest import random_erasing_before
 
 DIGITS = "sklearn_digits"
 
@@ -71,7 +72,10 @@ def raw_examples(data_dir, split):
 
 
 def to_uint8(images, dataset=DIGITS):
-    """Undoes the normalisation; valid for unaugmented 8 px digits."""
+    """Undoes the normalisation; valid for unaugmented 8 px digits (uint8 images, as the
+    training stream yields them, are returned as they are)."""
+    if np.asarray(images).dtype == np.uint8:
+        return np.asarray(images)
     spec = datasets.dataset_spec(dataset)
     pixels = np.asarray(images) * np.array(spec.std) + np.array(spec.mean)
     return np.round(pixels * 255).astype(np.uint8)
@@ -183,17 +187,27 @@ def test_textured_digits_keep_the_canvas_places_on_backgrounds_that_vary(tmp_pat
     assert spec.std[0] == pytest.approx(built.std() / 255.0, abs=1e-4)
 
 
+def prepared(batch, dataset=DIGITS) -> np.ndarray:
+    """The batch's images as the train step takes them (`on_device.prepared`)."""
+    spec = datasets.dataset_spec(dataset)
+    return np.asarray(on_device.prepared(batch, spec.mean, spec.std))
+
+
 def test_train_batches_shapes_dtypes_and_normalisation(digits_data_dir):
     batch = next(digits_train(digits_data_dir, image_size=32, augment="digits"))
-    assert batch["image"].shape == (8, 32, 32, 3)
-    assert batch["image"].dtype == np.float32
-    assert batch["label"].shape == (8,) and batch["label"].dtype == np.int32
+    shapes = on_device.batch_shapes(8, 32, random_erase_prob=0.0)
+    assert {k: (v.shape, v.dtype) for k, v in batch.items()} == shapes
     assert set(batch["label"].tolist()) <= set(range(10))
+    assert batch["image"].max() > 128  # real digits, not only padding
+    np.testing.assert_array_equal(batch["image"][..., 0], batch["image"][..., 2])  # grey->RGB
+    # The device's normalisation has the bits of the host's float32 (x / 255 - mean) / std.
     spec = datasets.dataset_spec(DIGITS)
-    pixels = batch["image"] * np.array(spec.std) + np.array(spec.mean)
-    assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6
-    assert pixels.max() > 0.5  # real digits, not only padding
-    np.testing.assert_array_equal(pixels[..., 0], pixels[..., 2])  # grey->RGB
+    host = tf.cast(batch["image"], tf.float32) / 255.0
+    host = ((host - tf.constant(spec.mean)) / tf.constant(spec.std)).numpy()
+    np.testing.assert_array_equal(prepared(batch), host)
+    erasing = next(digits_train(digits_data_dir, image_size=32, random_erase_prob=0.25))
+    shapes = on_device.batch_shapes(8, 32, random_erase_prob=0.25)
+    assert {k: (v.shape, v.dtype) for k, v in erasing.items()} == shapes
 
 
 def test_none_augment_is_nearest_upsampling(digits_data_dir):
@@ -279,19 +293,23 @@ def _train_batches_before(data_dir, *, split, start_step, repeats, local_batch_s
         image = train_data.augment_lib.rand_augment(
             image, fold_in(key, 1), TIMM_RECIPE["rand_augment"]
         )
-        image = train_data._normalise(image, spec, size)
-        image = train_data.augment_lib.random_erasing(image, fold_in(key, 2), 0.25)
-        return {"image": image, "label": ex["label"]}
+        image = (tf.cast(image, tf.float32) / 255.0 - spec.mean) / spec.std
+        image = random_erasing_before(image, fold_in(key, 2), 0.25)
+        return {"image": tf.ensure_shape(image, [size, size, 3]), "label": ex["label"]}
 
     ds = tf.data.Dataset.counter(start_epoch).flat_map(one_epoch).skip(offset).map(prepare)
     return ds.batch(local_batch_size, drop_remainder=True).as_numpy_iterator()
 
 
 @pytest.mark.parametrize("repeats,start", [(1, 0), (3, 0), (3, 4), (3, 7)])
-def test_copies_decoded_once_are_bitwise_the_stream_before(digits_data_dir, repeats, start):
-    """Decoding each record once for all its repeated-augmentation copies changes no bit of
-    the stream, from step 0 or resumed inside a record's copies (20 records x 3 copies =
-    60 per epoch: step 4 starts at copy 2 of record 10, step 7 crosses the epoch)."""
+def test_the_stream_prepared_on_the_device_is_the_host_stream_before(
+    digits_data_dir, repeats, start
+):
+    """Decoding each record once for all its repeated-augmentation copies, normalising on
+    the accelerator and drawing erasing's noise there change no pixel outside the erased
+    boxes, and the boxes are the ones the host erased: from step 0 or resumed inside a
+    record's copies (20 records x 3 copies = 60 per epoch: step 4 starts at copy 2 of
+    record 10, step 7 crosses the epoch)."""
     common = dict(split="train[:20]", repeated_augment=repeats, **TIMM_RECIPE)
     got = take(digits_train(digits_data_dir, start_step=start, **common), 3)
     want = take(
@@ -300,9 +318,19 @@ def test_copies_decoded_once_are_bitwise_the_stream_before(digits_data_dir, repe
         ),
         3,
     )
+    erased = 0
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(g["image"], w["image"])
         np.testing.assert_array_equal(g["label"], w["label"])
+        plain = prepared({"image": g["image"]})
+        images = prepared(g)
+        for box, image, unerased, before in zip(g["erase_box"], images, plain, w["image"]):
+            inside = np.zeros(image.shape[:2], bool)
+            inside[box[0] : box[0] + box[2], box[1] : box[1] + box[3]] = True
+            np.testing.assert_array_equal((before != unerased).any(-1), inside)
+            np.testing.assert_array_equal(image[~inside], before[~inside])
+            assert (image[inside] != unerased[inside]).all()
+            erased += inside.any()
+    assert 0 < erased < 24
 
 
 def test_timm_augmentations_change_only_what_they_should(digits_data_dir):
@@ -313,18 +341,17 @@ def test_timm_augmentations_change_only_what_they_should(digits_data_dir):
     )
     np.testing.assert_array_equal(base["label"], erased["label"])
     np.testing.assert_array_equal(base["label"], randaug["label"])
-    # Erasing replaces one box per image by N(0, 1) values, after normalisation.
-    for before, after in zip(base["image"], erased["image"]):
+    # Erasing leaves the host's pixels alone and replaces one box per image by N(0, 1)
+    # values, after normalisation (on the device).
+    np.testing.assert_array_equal(base["image"], erased["image"])
+    for before, after in zip(prepared(base), prepared(erased)):
         changed = (before != after).any(axis=-1)
         rows, cols = np.nonzero(changed)
         box = (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
         assert 0 < changed.sum() == box < 16 * 16
-    # RandAugment works on uint8-valued pixels in [0, 255] before normalising.
+    # RandAugment works on uint8 pixels before normalising.
     assert not np.array_equal(base["image"], randaug["image"])
-    pixels = to_uint8(randaug["image"]).astype(np.float64)
-    spec = datasets.dataset_spec(DIGITS)
-    restored = (pixels / 255 - np.array(spec.mean)) / np.array(spec.std)
-    np.testing.assert_allclose(restored, randaug["image"], atol=1e-5)
+    assert randaug["image"].dtype == np.uint8
 
 
 def test_each_epoch_is_a_new_permutation(digits_data_dir):
@@ -517,7 +544,7 @@ def test_host_batches_bitwise_as_before(limit, with_transform):
 @pytest.mark.parametrize("with_transform", [False, True])
 def test_uint8_host_batches_normalised_on_the_devices_give_the_host_bits(with_transform):
     """The evaluation loop's path: host_batches(normalise=False) yields the uint8 pixels
-    (after the transform, padding zero), and `loop.normaliser` (the Context's lookup of `pixel_table`) on the
+    (after the transform, padding zero), and `loop.normaliser` (the Context's `on_device.normalise`) on the
     devices gives exactly the bits of host_batches' own normalisation, over every value."""
     import jax.numpy as jnp
 

@@ -115,8 +115,8 @@ def test_profile_prints_each_stage_of_both_sides(run):
     ):
         start = next(i for i, line in enumerate(lines) if line.startswith(title + " (ms"))
         rows = lines[start + 2 : start + 3 + len(stages)]
-        assert [r[:24].strip() for r in rows] == [*stages, "total"], rows
-        values = np.array([[float(x) for x in r[24:].split()] for r in rows])
+        assert [r[:28].strip() for r in rows] == [*stages, "total"], rows
+        values = np.array([[float(x) for x in r[28:].split()] for r in rows])
         np.testing.assert_allclose(values[:-1, :2].sum(0), values[-1, :2], atol=0.02)
         assert (values[-1, :2] > 0).all(), rows
     ops = [

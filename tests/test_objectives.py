@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from rspc_jax import ConfigError, parallel, rspc
+from rspc_jax.data import on_device
 from rspc_jax.data import specs as datasets
 from rspc_jax.training import mixup, objectives, setup
 from tests.conftest import first_batches, smoke_config
@@ -56,7 +57,7 @@ def _context(config, batch):
     corruption_model = rspc.make_corruption_model(
         config.rspc, rspc.corruption_patch_size(config.rspc, model)
     )
-    images = jnp.asarray(batch["image"])
+    images = on_device.prepared(batch, spec.mean, spec.std)  # as the step takes them
     ctx = objectives.Context(
         model=model,
         corruption_model=corruption_model,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from rspc_jax import parallel, rspc
+from rspc_jax.data import on_device
 from rspc_jax.data import specs as datasets
 from rspc_jax.models import ops
 from rspc_jax.training import host_memory, mixup, setup
@@ -30,7 +31,8 @@ def _loss_at(
 ):
     """RSPC loss parts on `batch` with the step's own noise, without dropout."""
     noise_rng = train_step_lib.step_keys(state)[0]
-    images = jnp.asarray(batch["image"])
+    spec = datasets.dataset_spec(config.dataset)
+    images = on_device.prepared(batch, spec.mean, spec.std)  # as the step takes them
     noise = rspc.uniform_noise(noise_rng, jnp.arange(images.shape[0]), images.shape[1:])
     lower, upper = rspc.normalized_limits(rspc.IMAGENET_MEAN, rspc.IMAGENET_STD)
     targets = mixup.one_hot_smoothed(batch["label"], 10, config.label_smoothing)

@@ -2,7 +2,8 @@
 
 The DeiT/RVT recipe of the official code (docs/method.md, "Recipes") runs timm's
 `rand-m9-mstd0.5-inc1` RandAugment on the PIL crop and `RandomErasing` (mode
-'pixel') on the normalised tensor. Every random draw here is a stateless TF op
+'pixel') on the normalised tensor; here the host draws each erasing box and the
+accelerator fills it (`rspc_jax.data.on_device`). Every random draw here is a stateless TF op
 keyed by the caller's example key, so augmented streams stay a pure function of
 (seed, host, step). The pixel ops reproduce PIL's uint8 arithmetic, which timm
 runs them with, on float32 images that hold integers in [0, 255].
@@ -367,22 +368,25 @@ def color_jitter(image, key, strength: float):
     return tf.switch_case(index, [apply(order) for order in orders])
 
 
-def random_erasing(
-    image, key, prob, *, min_area=0.02, max_area=1 / 3, min_aspect=0.3, max_attempts=10
+def erasing_box(
+    shape, key, prob, *, min_area=0.02, max_area=1 / 3, min_aspect=0.3, max_attempts=10
 ):
-    """timm RandomErasing(prob, mode='pixel', max_count=1) on a normalised image.
+    """timm RandomErasing(prob, mode='pixel', max_count=1)'s draws for one image of `shape`
+    (H, W, C): (box, noise key).
 
-    With probability `prob`, tries up to `max_attempts` rectangles of area
-    fraction U(min_area, max_area) and log-uniform aspect ratio in
-    [min_aspect, 1 / min_aspect]; the first that fits strictly inside the image
-    is filled with per-pixel, per-channel N(0, 1) values. If none fits the
-    image is unchanged, as in timm.
+    With probability `prob`, tries up to `max_attempts` rectangles of area fraction
+    U(min_area, max_area) and log-uniform aspect ratio in [min_aspect, 1 / min_aspect]; the
+    first that fits strictly inside the image is the box, int32 (top, left, height, width).
+    If the coin says no or none fits, height and width are 0 (the image stays as it is, as
+    in timm). The box is filled with per-pixel, per-channel N(0, 1) values of the
+    *normalised* image, drawn from the noise key (uint32 (2,), a threefry key) on the
+    accelerator (`on_device.erase`).
     """
     coin_key, shape_key, top_key, left_key, noise_key = tf.unstack(
         tf.random.experimental.stateless_split(key, 5)
     )
-    height, width = tf.shape(image)[0], tf.shape(image)[1]
-    area = tf.cast(height * width, tf.float32)
+    height, width = shape[0], shape[1]
+    area = float(height * width)
     draws = tf.random.stateless_uniform([max_attempts, 2], shape_key)
     target = (min_area + (max_area - min_area) * draws[:, 0]) * area
     log_lo, log_hi = math.log(min_aspect), math.log(1 / min_aspect)
@@ -398,24 +402,7 @@ def random_erasing(
         [], left_key, 0, tf.maximum(width - w, 0) + 1, dtype=tf.int32
     )
     coin = tf.random.stateless_uniform([], coin_key)
-    erase = (coin < prob) & tf.reduce_any(fits)
-
-    def erased():
-        """Noise only for the box, written over it; the images not erased (1 - prob of
-        them) cost nothing beyond the draws above."""
-        noise = tf.random.stateless_normal([h, w, tf.shape(image)[2]], noise_key, dtype=image.dtype)
-        return _write_box(image, noise, top, left)
-
-    return tf.ensure_shape(tf.cond(erase, erased, lambda: image), image.shape)
-
-
-def _write_box(image, box, top, left):
-    """`image` with `box` (h, w, C) written at rows top.., columns left..."""
-    h, w = tf.shape(box)[0], tf.shape(box)[1]
-    return tf.raw_ops.TensorStridedSliceUpdate(
-        input=image,
-        begin=tf.stack([top, left, 0]),
-        end=tf.stack([top + h, left + w, tf.shape(image)[2]]),
-        strides=tf.constant([1, 1, 1]),
-        value=box,
-    )
+    erase = tf.cast((coin < prob) & tf.reduce_any(fits), tf.int32)
+    box = tf.stack([top, left, h * erase, w * erase])
+    noise = tf.random.stateless_uniform([2], noise_key, None, None, dtype=tf.uint32)
+    return box, noise

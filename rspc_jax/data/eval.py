@@ -94,11 +94,13 @@ def crop_only(image, size):
     return tf.slice(image, [offset[0], offset[1], 0], [size, size, 3])
 
 
-def _as_uint8(image, size):
-    """Rounded to uint8, as saving the preprocessed image would do (ImageNet-C's JPEGs):
-    the robustness suites corrupt pixels before normalising."""
-    image = tf.cast(tf.clip_by_value(tf.round(image), 0, 255), tf.uint8)
-    return tf.ensure_shape(image, [size, size, 3])
+def as_uint8(image, size):
+    """Rounded to uint8 with the static shape that batching needs, as saving the
+    preprocessed image would do (ImageNet-C's JPEGs) and as PIL holds a crop (timm's
+    training transforms): the robustness suites corrupt pixels before normalising, and the
+    accelerator normalises both pipelines' batches."""
+    image = tf.clip_by_value(tf.round(tf.cast(image, tf.float32)), 0.0, 255.0)
+    return tf.ensure_shape(tf.cast(image, tf.uint8), [size, size, 3])
 
 
 def eval_examples(
@@ -126,7 +128,7 @@ def eval_examples(
 
     def prepare(ex):
         return {
-            "image": _as_uint8(preprocess(decode(ex["image"]), image_size), image_size),
+            "image": as_uint8(preprocess(decode(ex["image"]), image_size), image_size),
             "label": ex["label"],
         }
 
@@ -157,7 +159,7 @@ def file_examples(
     def load(path, label):
         image = tf.io.decode_image(tf.io.read_file(path), channels=3, expand_animations=False)
         return {
-            "image": _as_uint8(preprocess(image, image_size), image_size),
+            "image": as_uint8(preprocess(image, image_size), image_size),
             "label": tf.cast(label, tf.int32),
         }
 
@@ -179,7 +181,7 @@ def array_examples(
 
     def prepare(image, label):
         return {
-            "image": _as_uint8(preprocess(image, image_size), image_size),
+            "image": as_uint8(preprocess(image, image_size), image_size),
             "label": tf.cast(label, tf.int32),
         }
 
@@ -215,7 +217,7 @@ def host_batches(
     every example counts once and all hosts run the same number of collective steps.
 
     `normalise=False` yields the uint8 images (after `transform`) for the accelerator to
-    normalise with `pixel_table`: a quarter of the bytes to send, and no 4-byte-per-pixel
+    normalise (`on_device.normalise`, the same bits): a quarter of the bytes to send, and no 4-byte-per-pixel
     batch to allocate and fill on the host (docs/speed.md, "Input pipeline")."""
     mean = np.asarray(mean, np.float32)
     std = np.asarray(std, np.float32)
@@ -267,12 +269,3 @@ def _normalised_and_padded(raw, count, mean, std) -> np.ndarray:
         real -= mean
         real /= std
     return pixels
-
-
-def pixel_table(mean, std) -> np.ndarray:
-    """(256, 3) float32: row v, column c is what host_batches makes of the uint8 value v in
-    channel c, so that a lookup `table[images, [0, 1, 2]]` on the accelerator gives the
-    host's bits exactly (XLA's own division by 255 and by std rounds differently)."""
-    values = np.repeat(np.arange(256, dtype=np.uint8)[:, None], 3, axis=1)
-    mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
-    return _normalised_and_padded(values[None], 1, mean, std)[0]

@@ -8,7 +8,9 @@ the current epoch and never decodes a skipped record (with repeated augmentation
 the copies before the resume point of the record it falls in are augmented and
 dropped). The DeiT/timm augmentations (RandAugment, random erasing, repeated
 augmentation) live in `rspc_jax.data.augment` and `_epoch_stream` and follow the
-same rule; a record's repeated copies are decoded once.
+same rule; a record's repeated copies are decoded once. The host's batches are uint8:
+normalising and random erasing's noise run on the accelerator (`rspc_jax.data.on_device`),
+where they cost the host's cores nothing (docs/speed.md, "Input pipeline").
 """
 
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ import tensorflow_datasets as tfds
 
 from rspc_jax.data import augment as augment_lib
 from rspc_jax.data import eval as eval_lib
+from rspc_jax.data import on_device
 from rspc_jax.data import options as data_options
 from rspc_jax.data.records import (
     AUTOTUNE,
@@ -29,7 +32,7 @@ from rspc_jax.data.records import (
     num_examples_of,
     process_or_default,
 )
-from rspc_jax.data.specs import DatasetSpec, dataset_spec
+from rspc_jax.data.specs import dataset_spec
 
 
 def recipe_args(config) -> dict:
@@ -110,13 +113,6 @@ def _train_preprocess(augment: str, dataset: str, crop_area=None, crop_aspect=No
     return _AUGMENTS[augment]
 
 
-def _normalise(image, spec: DatasetSpec, size: int):
-    """(x/255 - mean) / std, with the static shape that batching needs."""
-    image = tf.cast(image, tf.float32) / 255.0
-    image = (image - tf.constant(spec.mean)) / tf.constant(spec.std)
-    return tf.ensure_shape(image, [size, size, 3])
-
-
 # ----------------------------------------------------------------------------
 # Iterators
 # ----------------------------------------------------------------------------
@@ -159,8 +155,9 @@ def _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats=1):
     return tf.data.Dataset.counter(start_epoch).flat_map(one_epoch)
 
 
-def _augmenter(preprocess, spec, image_size, color_jitter, rand_augment, random_erase_prob):
-    """One decoded image and its key -> one augmented, normalised copy (timm's order)."""
+def _augmenter(preprocess, image_size, color_jitter, rand_augment, random_erase_prob):
+    """One decoded image and its key -> one augmented copy (timm's order): the uint8 crop
+    and, with erasing, its box and noise key (the accelerator normalises and erases)."""
     fold_in = tf.random.experimental.stateless_fold_in
 
     def augmented(image, key):
@@ -169,10 +166,12 @@ def _augmenter(preprocess, spec, image_size, color_jitter, rand_augment, random_
             image = augment_lib.color_jitter(image, fold_in(key, 3), color_jitter)
         if rand_augment:
             image = augment_lib.rand_augment(image, fold_in(key, 1), rand_augment)
-        image = _normalise(image, spec, image_size)
+        copy = {"image": eval_lib.as_uint8(image, image_size)}
         if random_erase_prob > 0:
-            image = augment_lib.random_erasing(image, fold_in(key, 2), random_erase_prob)
-        return image
+            copy[on_device.ERASE_BOX], copy[on_device.ERASE_KEY] = augment_lib.erasing_box(
+                (image_size, image_size, 3), fold_in(key, 2), random_erase_prob
+            )
+        return copy
 
     return augmented
 
@@ -199,8 +198,10 @@ def train_iterator(
 ) -> Iterator[dict]:
     """Yields this host's training batches forever, starting at `start_step`.
 
-    Batches: {'image': float32 (local_batch_size, image_size, image_size, 3)
-    normalised with the dataset's mean/std, 'label': int32 (local_batch_size,)}.
+    Batches (`on_device.batch_shapes`): {'image': uint8 (local_batch_size, image_size,
+    image_size, 3), 'label': int32 (local_batch_size,)}, and with random erasing each
+    image's box and noise key; `on_device.prepared` makes the normalised, erased images
+    of them on the accelerator (the train step does).
     The batch at step s is bitwise the same whether the iterator started at 0
     and was advanced s times or started at `start_step=s`. Each host reads its
     own equal-sized shard of `split` (the remainder is dropped).
@@ -209,7 +210,7 @@ def train_iterator(
     `crop_aspect` ranges of the 'imagenet' crop), then colour jitter
     `color_jitter` (0 = off) or RandAugment `rand_augment` ('' = off, e.g.
     'rand-m9-mstd0.5-inc1') on the crop, normalisation, then random erasing
-    with `random_erase_prob`.
+    with `random_erase_prob` (the last two on the accelerator).
     `repeated_augment` > 1 emits every record that many times in a row, with
     different augmentations (`_epoch_stream`).
     """
@@ -218,7 +219,7 @@ def train_iterator(
         random_erase_prob=random_erase_prob,
         repeated_augment=repeated_augment,
     )
-    spec = dataset_spec(dataset)
+    dataset_spec(dataset)  # an unknown name fails here, before anything is read
     preprocess = _train_preprocess(augment, dataset, crop_area, crop_aspect)
     builder = get_builder(dataset, data_dir)
     process_index, process_count = process_or_default(process_index, process_count)
@@ -235,15 +236,14 @@ def train_iterator(
     start_epoch, offset = divmod(start_step * local_batch_size, epoch_size * repeats)
     host_key = tf.constant([seed, process_index], tf.int64)
     decode = image_decoder(builder)
-    augmented = _augmenter(
-        preprocess, spec, image_size, color_jitter, rand_augment, random_erase_prob
-    )
+    augmented = _augmenter(preprocess, image_size, color_jitter, rand_augment, random_erase_prob)
 
     def prepare(keys, ex):
         """The record's copies: decoded once, each copy augmented with its own key."""
         image = decode(ex["image"])
-        copies = tf.stack([augmented(image, keys[r]) for r in range(repeats)])
-        return {"image": copies, "label": tf.fill([repeats], ex["label"])}
+        copies = [augmented(image, keys[r]) for r in range(repeats)]
+        stacked = {name: tf.stack([c[name] for c in copies]) for name in copies[0]}
+        return {**stacked, "label": tf.fill([repeats], ex["label"])}
 
     ds = _epoch_stream(records, host_key, start_epoch, shuffle_buffer, repeats)
     # Whole records skipped undecoded, then the copies of the record the offset falls in.

@@ -20,6 +20,7 @@ import numpy as np
 
 from rspc_jax import parallel, rspc
 from rspc_jax.data import eval as eval_data
+from rspc_jax.data import on_device
 from rspc_jax.data import specs as datasets
 from rspc_jax.evaluation import occlusion, protocols
 from rspc_jax.models import ops
@@ -46,11 +47,9 @@ def as_source(ds, largest: int) -> Source:
 
 def normaliser(mean, std) -> Callable:
     """Jitted fn(uint8 images (..., 3)) -> float32 normalised, with exactly the bits of the
-    host's normalisation: a lookup of `eval_data.pixel_table` (XLA's own division rounds
-    differently)."""
-    table = jnp.asarray(eval_data.pixel_table(mean, std))
-    channels = jnp.arange(3)
-    return jax.jit(lambda images: table[images.astype(jnp.int32), channels])
+    host's normalisation (`on_device.normalise`)."""
+    table = on_device.pixel_table(mean, std)
+    return jax.jit(lambda images: on_device.normalise(images, table))
 
 
 class SuiteSkipped(Exception):

@@ -116,7 +116,7 @@ def step_bytes(config, per_device_batch: int, variant: str = "rspc", remat: bool
     config.grad_accum_steps = 1  # one micro-batch per compiled step
     mesh = Mesh(np.asarray(jax.devices("cpu")[:1]), (parallel.DATA_AXIS,))
     spec = datasets.dataset_spec(config.dataset)
-    batch = setup.abstract_batch(mesh, per_device_batch, config.image_size)
+    batch = setup.abstract_batch(mesh, per_device_batch, config)
     with ops.implementations(
         window_ops="xla", cpu_schedule="xla", cpu_products="xla", dense_gradient="xla"
     ):

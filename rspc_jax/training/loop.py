@@ -569,7 +569,7 @@ def _compiled_ahead(config, parts: setup.Parts, mesh, checked: dict, state=None)
     them against the memory they will have (`_check_memory`, which fills `checked`); `state`
     is the live state if there is one already."""
     abstract = parts.state_shapes
-    batch = setup.abstract_batch(mesh, config.batch_size, config.image_size)
+    batch = setup.abstract_batch(mesh, config.batch_size, config)
     lowered = [parts.train_step.lower(abstract, batch)]
     if parts.train_steps is not None:
         lowered.append(parts.train_steps.lower(abstract, (batch,) * config.steps_per_call))

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 import ml_collections
 
 from rspc_jax import ConfigError, models, parallel, rspc
+from rspc_jax.data import on_device
 from rspc_jax.data import options as data_options
 from rspc_jax.data import specs as datasets
 from rspc_jax.training import adversarial as adversarial_training
@@ -168,14 +169,14 @@ class Parts(NamedTuple):
     state_shapes: Any = None
 
 
-def abstract_batch(mesh, batch_size: int, image_size: int) -> dict:
-    """The shapes of a global training batch on `mesh` (as the data pipeline makes it), to
-    compile the step for before any batch exists."""
+def abstract_batch(mesh, batch_size: int, config) -> dict:
+    """The shapes of a global training batch on `mesh` (as the data pipeline makes it for
+    `config`), to compile the step for before any batch exists."""
     sharding = parallel.batch_sharded(mesh)
-    image = (batch_size, image_size, image_size, 3)
+    shapes = on_device.batch_shapes(batch_size, config.image_size, config.random_erase_prob)
     return {
-        "image": jax.ShapeDtypeStruct(image, jnp.float32, sharding=sharding),
-        "label": jax.ShapeDtypeStruct((batch_size,), jnp.int32, sharding=sharding),
+        name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for name, (shape, dtype) in shapes.items()
     }
 
 

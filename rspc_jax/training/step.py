@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 import optax
 
+from rspc_jax.data import on_device
 from rspc_jax.evaluation import selection
 from rspc_jax.models import ops
 from rspc_jax.parallel import DATA_AXIS, sharded_axis
@@ -365,11 +366,13 @@ def _selection_statistics(chosen) -> dict:
 
 
 def _device_batch(state: TrainState, batch, settings: StepSettings):
-    """(this device's batch: images, soft targets and global example indices; its keys)."""
+    """(this device's batch: images (normalised and erased here where the host sent uint8,
+    `on_device.prepared`), soft targets and global example indices; its keys)."""
     device = jax.lax.axis_index(DATA_AXIS)
     keys, mix_rng = _device_keys(state, device)
+    images = on_device.prepared(batch, settings.pixel_mean, settings.pixel_std)
     # Mixup/CutMix pairs are drawn over the device's whole batch, before it is split.
-    images, targets = _targets(settings, mix_rng, batch["image"], batch["label"])
+    images, targets = _targets(settings, mix_rng, images, batch["label"])
     local_batch = images.shape[0]
     example_ids = device * local_batch + jnp.arange(local_batch)
     return dict(image=images, target=targets, id=example_ids), keys
