@@ -21,7 +21,9 @@ _EQUALITY_SCRIPT = textwrap.dedent("""
     model = setup.build_model(config, spec.num_classes)
     batches = list(itertools.islice(train_data.train_iterator(
         dataset=config.dataset, data_dir=config.data_dir, split="train", image_size=32,
-        local_batch_size=16, seed=0, augment="digits"), 3))
+        local_batch_size=16, seed=0, augment="digits", random_erase_prob=0.5), 3))
+    # Erasing's noise is drawn on the devices, per image: it must not depend on the split.
+    assert any((b["erase_box"][:, 2] * b["erase_box"][:, 3] > 0).any() for b in batches)
     results = {}
     # 8 devices, and 8 devices that each split their 2 images into 2 micro-batches.
     for n, k in ((1, 1), (8, 1), (8, 2)):
