@@ -417,7 +417,7 @@ def _introduction(command: str, seeds: dict, seconds: dict) -> list[str]:
     return [
         "# Small-scale study: learned against random patch selection on the digits",
         "",
-        f"Command: `{command}`",
+        f"Written by: `{command}` (every invocation that ran in this workdir: 'Parts', below)",
         "",
         f"Hardware: {platform.machine()} CPU, {os.cpu_count()} cores; "
         f"JAX {jax.__version__} on {jax.device_count()} x {jax.devices()[0].device_kind}; "
