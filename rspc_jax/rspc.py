@@ -235,6 +235,27 @@ def ramped_fraction(fraction: float, step, ramp_steps: int):
     return fraction * jnp.minimum(1.0, jnp.asarray(step, jnp.float32) / ramp_steps)
 
 
+def score_similarity(scores: jax.Array) -> jax.Array:
+    """How alike C's scores are over the images of a batch, in [0, 1]: the mean over
+    patches of the squared batch mean of each image's standardised scores (z over its
+    patches). 1 when every image has the same pattern (C collapsed to fixed positions),
+    about 1 / B when the images' patterns are independent."""
+    scores = scores.astype(jnp.float32)
+    mean = jnp.mean(scores, axis=1, keepdims=True)
+    std = jnp.maximum(jnp.std(scores, axis=1, keepdims=True), 1e-12)
+    return jnp.mean(jnp.mean((scores - mean) / std, axis=0) ** 2)
+
+
+def diversity_loss(scores: jax.Array, weight: float) -> jax.Array:
+    """-weight * B * N / 2 * score_similarity: added to the loss C ascends, it pushes each
+    image's standardised score at each patch against that patch's batch mean, with a
+    gradient of weight * (that batch mean) on each standardised score, on the scale of the
+    official estimator's clipped (+-1) gradient. C (and only C) then spreads its choices
+    over the batch (CL-MAE's batch diversity on the masker's output)."""
+    batch, patches = scores.shape
+    return -weight * batch * patches / 2 * score_similarity(scores)
+
+
 def patch_mask_to_pixels(mask: jax.Array, grid: tuple[int, int], patch_size: int) -> jax.Array:
     """(B, N) per-patch mask -> (B, H, W, 1), each value repeated over its patch (F.fold)."""
     mask = mask.reshape(mask.shape[0], grid[0], grid[1], 1)

@@ -28,6 +28,8 @@ VARIANTS.update(
             "payoff_headline",
             "payoff_schedule",
             "payoff_schedule_validation",
+            "payoff_diversity_validation",
+            "payoff_diversity",
         ],
     }
 )

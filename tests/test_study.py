@@ -114,12 +114,21 @@ def test_payoff_headline_runs_the_chosen_c_against_both_baselines_on_the_same_ru
         assert spec.config.to_dict() == full.study.settings[setting].config.to_dict()
 
 
-def test_payoff_schedule_chooses_on_validation_and_adds_the_choice_to_the_headline_runs():
-    """The schedules on C's objective: both candidates and their random twin on the
-    validation digits; the test variant is the headline's runs plus the choice, so that
-    every baseline run is reused (same evaluation, same settings)."""
-    _, validation = load_config(REPO / "configs" / "demo_study.py", "payoff_schedule_validation")
-    _, test = load_config(REPO / "configs" / "demo_study.py", "payoff_schedule")
+@pytest.mark.parametrize(
+    "name,switches",
+    [
+        ("schedule", {"corruption_warmup_epochs", "corruption_curriculum_epochs"}),
+        ("diversity", {"corruption_diversity"}),
+    ],
+)
+def test_payoff_remedy_chooses_on_validation_and_adds_the_choice_to_the_headline_runs(
+    name, switches
+):
+    """The schedules on C's objective and the diversity term: the candidates and their
+    random twin on the validation digits; the test variant is the headline's runs plus the
+    choice, so that every baseline run is reused (same evaluation, same settings)."""
+    _, validation = load_config(REPO / "configs" / "demo_study.py", f"payoff_{name}_validation")
+    _, test = load_config(REPO / "configs" / "demo_study.py", f"payoff_{name}")
     _, headline = load_config(REPO / "configs" / "demo_study.py", "payoff_headline")
     assert (validation.train_split, validation.eval_split) == ("train[:1200]", "train[1200:]")
     assert validation.study.seeds == (0,) and test.study.seeds == tuple(range(8))
@@ -127,10 +136,9 @@ def test_payoff_schedule_chooses_on_validation_and_adds_the_choice_to_the_headli
     for config in (validation, test):
         study_runner.check(config)
     candidates = validation.study.settings.canvas16.methods
-    assert {m.split()[-1].partition("=")[0] for m in candidates if m.startswith("rspc")} == {
-        "corruption_warmup_epochs",
-        "corruption_curriculum_epochs",
-    }
+    learned = [m for m in candidates if m.startswith("rspc") and m != "rspc lam=0.5"]
+    assert {m.split()[-1].partition("=")[0] for m in learned} == switches
+    assert "random_patches lam=0.5" in candidates
     for setting, spec in test.study.settings.items():
         chosen = set(spec.methods) - set(headline.study.settings[setting].methods)
         assert len(chosen) == 1 and chosen <= set(candidates)

@@ -255,6 +255,7 @@ SELECTION_FIELDS = (
     "learned_batch_fraction",
     "corruption_warmup_epochs",
     "corruption_curriculum_epochs",
+    "corruption_diversity",
 )
 
 

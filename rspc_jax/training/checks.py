@@ -140,6 +140,9 @@ RANGES = {
     "rspc.corruption_curriculum_epochs": Range(
         _non_negative, ">= 0", "epochs over which C turns from helping to adversarial; 0 = none"
     ),
+    "rspc.corruption_diversity": Range(
+        _non_negative, ">= 0", "the weight of C's batch diversity term; 0 = official"
+    ),
     "rspc.lam": Range(_non_negative, ">= 0", "the alignment loss weight lambda; paper: 0.005"),
     "rspc.patch_size": Range(_non_negative, ">= 0", "C's patch in pixels; 0 = the model's"),
     "rspc.corruption_grad_scale": Range(_positive, "> 0", "the scale of C's STE gradient"),

@@ -116,6 +116,8 @@ def get_default_config() -> ml_collections.ConfigDict:
             # Beyond the paper (docs/method.md, "A schedule on C's objective"; 0 = official):
             corruption_warmup_epochs=0.0,  # C frozen for these epochs, then it ascends
             corruption_curriculum_epochs=0.0,  # then C's gradient goes -1 -> +1 (helping first)
+            # Beyond the paper (docs/method.md, "A diversity term on C's scores"; 0 = official):
+            corruption_diversity=0.0,  # > 0: C also spreads its choices over the batch
             objective="align",  # 'align' (eq. 2) | 'ce': CE on the occluded images instead (ablation)
             fill="noise",  # occluded patches: 'noise' (eq. 1) | 'zero' (0 in the model input)
             # | 'drop' (removed from the token sequence; ViT/DeiT)

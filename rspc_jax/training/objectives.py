@@ -104,10 +104,12 @@ def _mixing(ctx: Context, images):
 def rspc_objective(
     ctx, params, corruption_params, mask_probe, batch_stats, images, noise_rng, rngs
 ):
-    """CE(clean) + lam * L_align (or lam * CE(occluded): `rspc.objective='ce'`), C ascending."""
+    """CE(clean) + lam * L_align (or lam * CE(occluded): `rspc.objective='ce'`), C ascending;
+    with `rspc.corruption_diversity` C also ascends `rspc.diversity_loss` on its scores
+    (aux['added_loss']: in the gradient only, and only C's)."""
     s = ctx.settings
     random_scores, sampling = _selection_draws(ctx, images)
-    return rspc.rspc_loss(
+    value, aux = rspc.rspc_loss(
         params,
         corruption_params,
         batch_stats,
@@ -132,6 +134,11 @@ def rspc_objective(
         rngs=rngs,
         mask_probe=mask_probe,
     )
+    if s.corruption_diversity > 0 and not s.random_selection:
+        scores = ctx.corruption_model.apply({"params": corruption_params}, images)
+        aux["added_loss"] = rspc.diversity_loss(scores, s.corruption_diversity)
+        aux["score_similarity"] = rspc.score_similarity(jax.lax.stop_gradient(scores))
+    return value, aux
 
 
 def rspc_inputs(ctx: Context, corruption_params, images):
@@ -156,7 +163,7 @@ def rspc_metrics(ctx: Context, images, aux, mask_probe_grad):
     """The term C ascends besides CE (L_align or CE on the occluded images), the occluded
     fraction, how often the STE clip saturates, and the align term's weight against CE."""
     s = ctx.settings
-    metrics = {k: aux[k] for k in ("align", "occluded_ce") if k in aux}
+    metrics = {k: aux[k] for k in ("align", "occluded_ce", "score_similarity") if k in aux}
     saturated = jnp.abs(mask_probe_grad * s.corruption_grad_scale) >= (s.ste_clip or jnp.inf)
     metrics.update(
         occluded_fraction=1.0 - jnp.mean(aux["keep"]),
@@ -273,7 +280,7 @@ def with_patch_aug(loss: Callable, mode: str, key, aug_noise_rng) -> Callable:
             rngs,
         )
         if mode == "intended":
-            aux = {**aux, "added_loss": aug_loss}
+            aux = {**aux, "added_loss": aux.get("added_loss", 0.0) + aug_loss}
         return value, aux
 
     return augmented

@@ -134,6 +134,7 @@ def step_settings(
         learned_fraction=float(r.learned_fraction),
         learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
         learned_batch_fraction=float(r.learned_batch_fraction),
+        corruption_diversity=float(r.corruption_diversity),
     )
 
 

@@ -85,6 +85,7 @@ class StepSettings:
     learned_fraction: float = 1.0
     learned_fraction_ramp_steps: int = 0
     learned_batch_fraction: float = 1.0
+    corruption_diversity: float = 0.0  # the weight of rspc.diversity_loss; 0 = official
 
 
 def create_train_state(
