@@ -34,7 +34,11 @@ and plain training, the same runs (and run directories) as `:payoff`, over seeds
 C's objective (a warm-up before C learns, C helping before it attacks); `:payoff_schedule`
 adds the choice to `:payoff_headline`'s runs (seeds 0-7). `:payoff_diversity_validation`
 chooses by the same rule among weights of a diversity term on the official C's scores;
-`:payoff_diversity` adds the choice to `:payoff_headline`'s runs (seeds 0-7).
+`:payoff_diversity` adds the choice to `:payoff_headline`'s runs (seeds 0-7). `:payoff36` is
+the setting with more tokens (the textured digits at 48 px, 36 tokens, 4 occluded): the
+16-token study's methods, evaluated also under masks searched against each model (the
+greedy `adaptive_occlusion`) and under the masks of one content C trained on seed 100 (a
+transfer attack, `config.study.transfer`).
 
 Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
@@ -61,6 +65,7 @@ _VARIANTS = (
     "payoff_schedule_validation",
     "payoff_diversity_validation",
     "payoff_diversity",
+    "payoff36",
 )
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
@@ -125,6 +130,8 @@ def get_config(arg=None):
         _payoff(c, validation=True, methods=_DIVERSITY)
     if arg == "payoff_diversity":
         _payoff(c, validation=False, methods=_DIVERSITY_HEADLINE)
+    if arg == "payoff36":
+        _payoff36(c)
     if arg == "smoke":
         c.study.seeds = (0,)
         c.study.settings = dict(
@@ -254,3 +261,36 @@ def _payoff(c, validation: bool, headline: bool = False, methods=None) -> None:
         c.study.seeds = (0,)
         c.train_split = "train[:1200]"
         c.eval_split = "train[1200:]"
+
+
+# More tokens: the textured digits at 48 px in 36 tokens of 8 px, 4 of 36 occluded, where the
+# 58905 masks rule out the exact worst case and the greedy search (`adaptive_occlusion`, 145
+# forward passes per image) takes its place. The methods are the 16-token study's, unchanged
+# (no new choice is made here): plain, random patches, the official C (the validation's
+# choice), the official C with the diversity term at its chosen weight, and the content C.
+# Every method also meets the masks of one content C trained on seed 100 (a transfer attack).
+_PAYOFF36 = (
+    "clean",
+    "random_patches lam=0.5",
+    "rspc lam=0.5",
+    "rspc lam=0.5 corruption_diversity=1.0",
+    _CONTENT,
+)
+
+
+def _payoff36(c) -> None:
+    """The payoff study at 36 tokens (module docstring): one setting, seeds 0-7 planned, run in
+    parts with `--seeds`."""
+    c.study.settings = dict(
+        textured36=dict(
+            about="the canvas digits on crops of photographs at 48 px, 36 tokens of 8 px",
+            config=dict(dataset="sklearn_digits_textured", image_size=48),
+            methods=_PAYOFF36,
+        ),
+    )
+    c.study.seeds = tuple(range(8))
+    c.study.transfer = ml_collections.ConfigDict(dict(method=_CONTENT, seed=100))
+    c.evaluation.figure_images = 8
+    c.evaluation.suites = (
+        "clean,patch_occlusion,corrupted_local,adaptive_occlusion,transfer_occlusion"
+    )

@@ -30,6 +30,7 @@ VARIANTS.update(
             "payoff_schedule_validation",
             "payoff_diversity_validation",
             "payoff_diversity",
+            "payoff36",
         ],
     }
 )

@@ -119,6 +119,77 @@ def test_nothing_occluded_gives_clean_accuracy_and_unit_cos_sim(
     assert results["attention_stability"]["per_image"]["min"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize("rho, occluded", [(0.05, 1), (0.1, 2)])
+def test_greedy_adaptive_masks_against_the_exact_worst_case(
+    demo_run, digits_data_dir, tmp_path, rho, occluded
+):
+    """With the every-mask pass's noise: for 1 patch the greedy search tries every mask, so
+    it is the exact worst case image by image; for 2 it can only miss masks (bound above)."""
+    results = _evaluate(
+        demo_run,
+        digits_data_dir,
+        tmp_path,
+        "patch_occlusion,adaptive_occlusion",
+        **{"evaluation.occlusion_rho": rho},
+    )
+    every, greedy = results["patch_occlusion"]["every_mask_accuracy"], results["adaptive_occlusion"]
+    assert greedy["occluded_patches"] == occluded and greedy["num_patches"] == 16
+    assert greedy["evaluations_per_image"] == occluded * 16 + 1
+    if occluded == 1:
+        assert greedy["accuracy"] == every["worst_case"]
+    assert every["worst_case"] <= greedy["accuracy"] <= every["mean"] + 1e-9
+    assert "greedy adaptive masks (%)" in (tmp_path / "report.md").read_text()
+
+
+def test_transfer_from_the_run_itself_is_its_own_masks(demo_run, digits_data_dir, tmp_path):
+    """A run attacked by its own C's masks (the same noise) scores what patch_occlusion's
+    'trained corruption model's mask' gives; a relative path names the same run."""
+    workdir = demo_run[0]
+    results = _evaluate(
+        demo_run,
+        digits_data_dir,
+        tmp_path,
+        "patch_occlusion,transfer_occlusion",
+        **{"evaluation.transfer_from": str(workdir)},
+    )
+    transfer, own = results["transfer_occlusion"], results["patch_occlusion"]
+    assert transfer["accuracy"] == own["learned_mask_accuracy"]
+    assert transfer["distinct_masks"] == own["selection"]["distinct_masks"]
+    assert transfer["source"] == str(workdir) and transfer["source_corruption_model"] == "official"
+
+
+def _copied_run_config(demo_run, tmp_path, **changes):
+    """A folder holding the demo run's config.json with top-level or rspc `changes`."""
+    config = json.loads((demo_run[0] / "config.json").read_text())
+    for key, value in changes.items():
+        (config["rspc"] if key in config["rspc"] else config)[key] = value
+    folder = tmp_path / "source"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_transfer_source_that_cannot_attack_is_refused_with_the_fix(
+    demo_run, digits_data_dir, tmp_path
+):
+    results = _evaluate(demo_run, digits_data_dir, tmp_path / "none", "transfer_occlusion")
+    assert "evaluation.transfer_from" in results["transfer_occlusion"]["skipped"]
+    cases = [
+        (str(tmp_path), "no config.json"),
+        (_copied_run_config(demo_run, tmp_path / "a", image_size=48), "image_size 48"),
+        (_copied_run_config(demo_run, tmp_path / "b", selection="random"), "learned selection"),
+    ]
+    for source, words in cases:
+        with pytest.raises(ConfigError, match=words):
+            _evaluate(
+                demo_run,
+                digits_data_dir,
+                tmp_path / "out",
+                "transfer_occlusion",
+                **{"evaluation.transfer_from": source},
+            )
+
+
 def test_every_mask_is_each_way_to_occlude_k_patches_once():
     from rspc_jax.evaluation import occlusion
 
@@ -282,3 +353,18 @@ def test_an_unknown_suite_names_the_close_ones():
         registry.names("suite", "clean,patch_oclusion")
     with pytest.raises(ConfigError, match="no analysis named"):
         registry.names("analysis", ",")
+
+
+def test_relative_evaluation_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    """A relative transfer source or data folder names the same place in every tool and in
+    the config.json a run writes."""
+    from rspc_jax.tools import cli
+
+    monkeypatch.chdir(tmp_path)
+    config = smoke_config("data")
+    config.evaluation.transfer_from = "runs/source"
+    config.evaluation.imagenet_c_dir = ""
+    cli.resolve_config_paths(config)
+    assert config.evaluation.transfer_from == str(tmp_path / "runs" / "source")
+    assert config.data_dir == str(tmp_path / "data")
+    assert config.evaluation.imagenet_c_dir == ""

@@ -146,6 +146,63 @@ def test_payoff_remedy_chooses_on_validation_and_adds_the_choice_to_the_headline
         assert study_runner.random_twin(chosen.pop()) == "random_patches lam=0.5"
 
 
+def test_payoff36_has_36_tokens_the_greedy_search_and_an_independent_transfer_source():
+    """The setting with more tokens: 48 px in 8 px patches (36 tokens, 4 of them occluded:
+    too many masks for the exact worst case), the greedy and transfer suites, a content C
+    on a seed the study never uses as the transfer source, refused on a study seed."""
+    _, config = load_config(REPO / "configs" / "demo_study.py", "payoff36")
+    study_runner.check(config)
+    (setting,) = config.study.settings.values()
+    assert setting.config.image_size // config.model.patch_size == 6
+    assert {"corrupted_local", "adaptive_occlusion", "transfer_occlusion"} <= set(
+        config.evaluation.suites.split(",")
+    )
+    assert "corruption_model=content" in config.study.transfer.method
+    assert config.study.transfer.seed not in config.study.seeds
+    config.study.transfer.seed = 3
+    with pytest.raises(ConfigError, match="independently"):
+        study_runner.check(config)
+    config.study.transfer.seed, config.study.transfer.method = 100, "random_patches lam=0.5"
+    with pytest.raises(ConfigError, match="learns no masks"):
+        study_runner.check(config)
+
+
+def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data_dir, tmp_path):
+    """The source trains once per setting (its own run directory, its seed), every run is
+    evaluated with its masks and the greedy search, and the report pairs both."""
+    config = _smoke_config(digits_data_dir)
+    config.study.settings = dict(
+        canvas16=dict(
+            about="transfer",
+            config=dict(dataset="sklearn_digits_canvas"),
+            methods=("clean", "random_patches lam=0.5", "rspc lam=0.5"),
+        )
+    )
+    config.study.transfer = dict(method="rspc lam=0.5 corruption_model=content", seed=100)
+    config.evaluation.suites = "clean,patch_occlusion,adaptive_occlusion,transfer_occlusion"
+    study_runner.run_study(config, str(tmp_path), command="transfer")
+    source = (
+        tmp_path
+        / "runs"
+        / "canvas16"
+        / "transfer_source_rspc_lam=0.5_corruption_model=content_s100"
+    )
+    assert json.loads((source / "config.json").read_text())["seed"] == 100
+    for method in ("clean", "rspc_lam=0.5"):
+        record = json.loads(
+            (tmp_path / "runs" / "canvas16" / f"{method}_s0" / "study_run.json").read_text()
+        )
+        transfer = record["results"]["transfer_occlusion"]
+        assert (
+            transfer["source"] == str(source) and transfer["source_corruption_model"] == "content"
+        )
+        assert 0 <= record["results"]["adaptive_occlusion"]["accuracy"] <= 1
+    results = (tmp_path / "results.md").read_text()
+    header = results.split("## Learned against random")[1].split("\n\n")[2].splitlines()[0]
+    assert "| worst case | greedy | transfer | clean |" in header
+    assert "## Transfer sources" in results and "- canvas16: clean " in results
+
+
 @pytest.mark.parametrize("method", ["rspc lamda=0.5", "no_such_method"])
 def test_bad_method_fails_before_training(digits_data_dir, tmp_path, method):
     config = _smoke_config(digits_data_dir)

@@ -22,6 +22,8 @@ SUITES = (
     "clean",
     "corrupted_local",
     "patch_occlusion",
+    "adaptive_occlusion",
+    "transfer_occlusion",
     "attention_stability",
     "adversarial",
     "imagenet_c",

@@ -49,8 +49,9 @@ def DEFINE_path(name: str, default: str | None, help: str, **kwargs) -> flags.Fl
     )
 
 
-# The config's fields that hold paths (config.evaluation's `*_dir` fields too).
+# The config's fields that hold paths (config.evaluation's `*_dir` fields and these too).
 _CONFIG_PATHS = ("data_dir", "init_from")
+_EVALUATION_PATHS = ("transfer_from",)
 
 
 def resolve_config_paths(config) -> None:
@@ -62,7 +63,8 @@ def resolve_config_paths(config) -> None:
             config[key] = resolve_path(config[key])
     evaluation = config.get("evaluation") or {}
     for key in list(evaluation.keys()):
-        if key.endswith("_dir") and isinstance(evaluation[key], str):
+        is_path = key.endswith("_dir") or key in _EVALUATION_PATHS
+        if is_path and isinstance(evaluation[key], str):
             evaluation[key] = resolve_path(evaluation[key])
 
 

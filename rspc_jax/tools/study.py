@@ -14,7 +14,9 @@ A study can run in parts (`run_study(settings=..., seeds=...)`, the CLI's `--set
 report covers every setting and seed whose runs are all finished. With the corruption suite
 (`corrupted_local`) the report adds unseen-corruption accuracy and its error relative to plain
 training, and every paired difference (learned - random, method - plain) with its standard
-error and per-seed values.
+error and per-seed values. With `config.study.transfer` (a method and a seed outside the
+study's) each setting first trains that run once, and every run of the setting is evaluated
+under its C's masks (`transfer_occlusion`), the same adversary for every method.
 """
 
 import ast
@@ -94,6 +96,29 @@ def check(config) -> None:
                     f"(ablations: {sorted(ablations.ABLATIONS)}; unknown fields: {unknown}). "
                     "Fix config.study.settings."
                 )
+    _check_transfer(config)
+
+
+def _check_transfer(config) -> None:
+    """The transfer source (config.study.transfer: method, seed) must learn its masks and
+    be trained independently of the runs it attacks: a seed the study does not use."""
+    from rspc_jax import ConfigError
+
+    transfer = config.study.get("transfer")
+    if not transfer:
+        return
+    name, fields = parse_method(transfer.method)
+    if name != "rspc" or fields.get("selection") == "random":
+        raise ConfigError(
+            f"config.study.transfer.method {transfer.method!r} learns no masks; name an 'rspc' "
+            "method (e.g. 'rspc lam=0.5 corruption_model=content temperature=1.0')."
+        )
+    if transfer.seed in config.study.seeds:
+        raise ConfigError(
+            f"config.study.transfer.seed {transfer.seed} is one of the study's seeds "
+            f"{tuple(config.study.seeds)}; the source must be trained independently of the "
+            "runs it attacks: choose another seed."
+        )
 
 
 def run_config(config, setting: str, method: str, seed: int):
@@ -155,6 +180,9 @@ def summarise(record: dict) -> dict:
         row["worst case"] = occlusion["every_mask_accuracy"]["worst_case"]
     if "corrupted_local" in results:
         row["corruptions"] = results["corrupted_local"]["mean_accuracy"]
+    for suite, metric in (("adaptive_occlusion", "greedy"), ("transfer_occlusion", "transfer")):
+        if "accuracy" in results.get(suite, {}):  # not where the suite was skipped
+            row[metric] = results[suite]["accuracy"]
     if "attention_stability" in results:
         row["Cos-Sim"] = results["attention_stability"]["mean_cos_sim"]
     if "train/weighted_align_to_ce" in log[-1]:
@@ -212,6 +240,8 @@ PERCENT = (
     "worst mask",
     "every mask",
     "worst case",
+    "greedy",
+    "transfer",
     "Cos-Sim",
     "C's mask: accuracy",
     "C: on object",
@@ -266,8 +296,18 @@ def random_twin(method: str) -> str:
 
 
 # The paired differences the study reports, where both runs have them: randomly occluded,
-# unseen corruptions (mean accuracy, mCE vs plain), the worst case over every mask, clean.
-PAIRED = ("occluded", "corruptions", "mCE vs plain", "worst case", "clean", "Cos-Sim")
+# unseen corruptions (mean accuracy, mCE vs plain), the worst case over every mask, the
+# greedy adaptive masks, the transfer source's masks, clean.
+PAIRED = (
+    "occluded",
+    "corruptions",
+    "mCE vs plain",
+    "worst case",
+    "greedy",
+    "transfer",
+    "clean",
+    "Cos-Sim",
+)
 
 
 def _differences(runs: list, references: list) -> dict:
@@ -400,6 +440,7 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
         *_parts(workdir),
         *_headline(rows, settings),
         *_paired_tables(rows, settings),
+        *_transfer_sources(config, workdir, settings),
         *_per_setting(rows, settings),
         *_wall_clock(seconds, settings, sorted(set().union(*seeds.values()))),
         "",
@@ -434,7 +475,11 @@ def _introduction(command: str, seeds: dict, seconds: dict) -> list[str]:
         "plain); "
         "'every mask' and 'worst case' (where there are few enough masks): the mean accuracy "
         "over every mask of that many patches, and the share of images classified correctly "
-        "under every one of them; λ·L_align/CE and the training entropies come from the "
+        "under every one of them; 'greedy': accuracy under masks searched per image "
+        "against the model (`adaptive_occlusion`, k·N + 1 forward passes for k of N "
+        "patches; an upper bound on the worst case); 'transfer': accuracy under the masks of "
+        "one fixed, independently trained C (the setting's transfer source, below), the same "
+        "adversary for every method; λ·L_align/CE and the training entropies come from the "
         "training log (the first and the last log step); the 'C:' columns describe C's masks "
         "on the test set (with random selection C is never updated, so they show C at "
         "initialisation): distinct masks (of the test images), entropy of the per-position "
@@ -509,6 +554,39 @@ def _paired_tables(rows: dict, settings) -> list[str]:
     ]
 
 
+def _transfer_sources(config, workdir: str, settings) -> list[str]:
+    """Each setting's transfer source: which run it is and what its own masks do to it."""
+    transfer = config.study.get("transfer")
+    if not transfer:
+        return []
+    lines = [
+        "",
+        "## Transfer sources",
+        "",
+        f"'transfer' is accuracy under the masks of {label(transfer.method)}, seed "
+        f"{transfer.seed}: trained on the setting like the study's runs but on no study seed, "
+        "the same masks for every method.",
+        "",
+    ]
+    for setting in settings:
+        path = os.path.join(_source_dir(workdir, setting, transfer), "study_run.json")
+        if not os.path.exists(path):
+            lines.append(f"- {setting}: not trained")
+            continue
+        with open(path) as f:
+            row = summarise(json.load(f))
+        own = 100 * row["C's mask: accuracy"]
+        on_digit = ""
+        if "C: on object" in row:
+            on_digit = f", {100 * row['C: on object']:.1f}% of them on the digit"
+        lines.append(
+            f"- {setting}: clean {100 * row['clean']:.2f}%, randomly occluded "
+            f"{100 * row['occluded']:.2f}%, under its own masks {own:.2f}% "
+            f"({row['C: distinct masks']} distinct masks{on_digit})"
+        )
+    return lines
+
+
 def _per_setting(rows: dict, settings) -> list[str]:
     """One table per setting: every number of every method."""
     lines = []
@@ -553,6 +631,25 @@ def select(config, settings=None, seeds=None) -> tuple[list, list]:
 
 def _run_dir(workdir: str, setting: str, method: str, seed: int) -> str:
     return os.path.join(workdir, "runs", setting, f"{_slug(method)}_s{seed}")
+
+
+def _source_dir(workdir: str, setting: str, transfer) -> str:
+    name = f"transfer_source_{_slug(transfer.method)}_s{transfer.seed}"
+    return os.path.abspath(os.path.join(workdir, "runs", setting, name))
+
+
+def transfer_source(config, workdir: str, setting: str) -> str:
+    """Trains (unless finished) the setting's transfer source, config.study.transfer's method
+    and seed, evaluated clean and with its own masks; its run directory ('' without one)."""
+    transfer = config.study.get("transfer")
+    if not transfer:
+        return ""
+    path = _source_dir(workdir, setting, transfer)
+    logging.info(f"== {setting}: transfer source {transfer.method}, seed {transfer.seed}")
+    source = run_config(config, setting, transfer.method, transfer.seed)
+    source.evaluation.suites = "clean,patch_occlusion"
+    run_one(source, path)
+    return path
 
 
 def finished(config, workdir: str, seeds) -> dict:
@@ -602,14 +699,14 @@ def run_study(config, workdir: str, command: str, settings=None, seeds=None) -> 
     check(config)
     settings, seeds = select(config, settings, seeds)
     start = time.time()
+    sources = {setting: transfer_source(config, workdir, setting) for setting in settings}
     for seed in seeds:
         for setting in settings:
             for method in config.study.settings[setting].methods:
                 logging.info(f"== {setting}: {method}, seed {seed}")
-                run_one(
-                    run_config(config, setting, method, seed),
-                    _run_dir(workdir, setting, method, seed),
-                )
+                run = run_config(config, setting, method, seed)
+                run.evaluation.transfer_from = sources[setting]
+                run_one(run, _run_dir(workdir, setting, method, seed))
     if jax.process_index() != 0:
         return ""
     _log_part(workdir, command, settings, seeds, time.time() - start)

@@ -164,6 +164,9 @@ def get_default_config() -> ml_collections.ConfigDict:
             # Where there are at most this many masks of the same count (120 for 2 of 16
             # patches), every one is tried too: the worst-case occlusion accuracy.
             occlusion_every_mask_limit=256,
+            # transfer_occlusion: the workdir of a run whose trained C's masks are applied
+            # to the evaluated model (a fixed adversary for every method of a study).
+            transfer_from="",
             fgsm_eps=1 / 255,  # RSPC_RVT --fgsm_test
             pgd_eps=8 / 255,
             pgd_step=2 / 255,

@@ -17,18 +17,37 @@ from rspc_jax.evaluation.loop import Context, run_pass, sharded
 from rspc_jax.evaluation.suites import shared
 
 
+def chosen_keep(rspc_config, patch_size: int, params, images, rho: float, seed: int):
+    """The masks of the corruption model `params` (built as `rspc_config` says): by the
+    official rule, or (a C that samples its masks) its deterministic choice, the lowest
+    standardised scores, ties broken by fixed draws from `seed`."""
+    scores = rspc.make_corruption_model(rspc_config, patch_size).apply({"params": params}, images)
+    if rspc.selection_temperature(rspc_config) is None:
+        return rspc.keep_mask(scores, rho)
+    ties = jax.random.gumbel(jax.random.PRNGKey(seed), scores.shape)
+    return rspc.sampled_keep_mask(scores, rho, ties, 0.0)
+
+
 def learned_keep(ctx: Context, images):
-    """C's masks: by the official rule, or (a C that samples its masks) its deterministic
-    choice, the lowest standardised scores, ties broken by fixed draws."""
-    corruption_model = rspc.make_corruption_model(ctx.config.rspc, ctx.patch_size)
-    scores = corruption_model.apply({"params": ctx.corruption_params}, images)
-    if rspc.selection_temperature(ctx.config.rspc) is None:
-        return rspc.keep_mask(scores, ctx.settings.occlusion_rho)
-    ties = jax.random.gumbel(jax.random.PRNGKey(ctx.seed), scores.shape)
-    return rspc.sampled_keep_mask(scores, ctx.settings.occlusion_rho, ties, 0.0)
+    """The evaluated run's own C's masks (`chosen_keep`)."""
+    return chosen_keep(
+        ctx.config.rspc,
+        ctx.patch_size,
+        ctx.corruption_params,
+        images,
+        ctx.settings.occlusion_rho,
+        ctx.seed,
+    )
 
 
-def _correct_under(ctx: Context, variables, batch, keep, rng):
+def noise_key(ctx: Context) -> jax.Array:
+    """The pass key: its fold per batch is the noise of every shared mask and of C's masks,
+    which adaptive_occlusion and transfer_occlusion reuse, so that their masks are compared
+    with these under the same noise."""
+    return jax.random.PRNGKey(ctx.seed + 1)
+
+
+def correct_under(ctx: Context, variables, batch, keep, rng):
     """Correct (B,) with the images occluded by `keep` (B, N), fresh noise from `rng`."""
     logits = ctx.logits(variables, ctx.occlude(batch["image"], keep, rng))
     return runner.correct(logits, batch["label"])
@@ -40,7 +59,7 @@ def _learned_outputs(ctx: Context, variables, batch, rng) -> dict:
     images = batch["image"]
     keep = learned_keep(ctx, images)
     out = dict(
-        learned=_correct_under(ctx, variables, batch, keep, rng),
+        learned=correct_under(ctx, variables, batch, keep, rng),
         learned_occluded=(keep == 0).astype(jnp.int8),
     )
     if ctx.spec.object_threshold is not None:
@@ -61,13 +80,13 @@ def _step(ctx: Context, every, learned: bool):
         size = batch["image"].shape[0]
 
         def one_random_mask(key):
-            mask_key, noise_key = jax.random.split(key)
+            mask_key, noise = jax.random.split(key)
             keep = occlusion.random_keep_masks(mask_key, size, ctx.num_patches(), occluded)
-            return _correct_under(ctx, variables, batch, keep, noise_key)
+            return correct_under(ctx, variables, batch, keep, noise)
 
         def one_shared_mask(keep):
             keep = jnp.broadcast_to(keep, (size, keep.shape[0]))
-            return _correct_under(ctx, variables, batch, keep, rng)
+            return correct_under(ctx, variables, batch, keep, rng)
 
         keys = jax.random.split(rng, ctx.settings.occlusion_masks)
         out = dict(
@@ -92,7 +111,7 @@ def run(ctx: Context) -> dict:
     out = run_pass(
         ctx,
         sharded(ctx, _step(ctx, every, learned)),
-        jax.random.PRNGKey(ctx.seed + 1),
+        noise_key(ctx),
         label="patch_occlusion",
     )
     per_mask = out["random"].mean(axis=0)
