@@ -1,7 +1,9 @@
 """The small-scale reproduction study: `python -m rspc_jax.study --config=configs/demo_study.py
---workdir=DIR [--settings=a,b] [--seeds=0,1]` (rspc_jax.tools.study: what it trains, evaluates
-and writes). `--settings` and `--seeds` run a long study in parts: each part trains only its
-runs, and the report covers every setting and seed finished in DIR so far."""
+--workdir=DIR [--settings=a,b] [--seeds=0,1] [--reevaluate=suite,...]` (rspc_jax.tools.study:
+what it trains, evaluates and writes). `--settings` and `--seeds` run a long study in parts:
+each part trains only its runs, and the report covers every setting and seed finished in DIR
+so far. Suites added to the config since a run finished, and those named by `--reevaluate`,
+are evaluated on its final checkpoint without training it again."""
 
 import os
 import sys
@@ -22,6 +24,12 @@ _SETTINGS = flags.DEFINE_list(
     "settings", None, "Run only these settings of config.study.settings (a study in parts)."
 )
 _SEEDS = flags.DEFINE_list("seeds", None, "Run only these seeds (default: config.study.seeds).")
+_REEVALUATE = flags.DEFINE_list(
+    "reevaluate",
+    None,
+    "Suites to evaluate again on runs already finished (from their final checkpoints, without "
+    "training); suites of config.evaluation.suites that a finished run lacks always are.",
+)
 
 
 def main(argv):
@@ -32,7 +40,12 @@ def main(argv):
     config = cli.start(argv, _CONFIG.value)
     command = "python -m rspc_jax.study " + " ".join(sys.argv[1:])
     path = study_runner.run_study(
-        config, _WORKDIR.value, command, settings=_SETTINGS.value, seeds=_SEEDS.value
+        config,
+        _WORKDIR.value,
+        command,
+        settings=_SETTINGS.value,
+        seeds=_SEEDS.value,
+        reevaluate=_REEVALUATE.value,
     )
     if path:
         print(f"Results: {path}", flush=True)

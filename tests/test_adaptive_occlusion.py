@@ -21,11 +21,13 @@ def test_an_additive_margin_gets_the_exact_worst_mask(occluded):
     def margin_of(keep):
         return 1.0 - ((1 - keep) * weights).sum(axis=1)
 
-    keep = jax.jit(lambda: occlusion.greedy_keep(margin_of, 5, 36, occluded))()
-    heaviest = np.argsort(-np.asarray(weights), axis=1)[:, :occluded]
-    expected = np.ones((5, 36), np.float32)
-    np.put_along_axis(expected, heaviest, 0.0, axis=1)
-    np.testing.assert_array_equal(np.asarray(keep), expected)
+    rounds = jax.jit(lambda: occlusion.greedy_keep(margin_of, 5, 36, occluded))()
+    assert rounds.shape == (occluded, 5, 36)
+    order = np.argsort(-np.asarray(weights), axis=1)
+    for r, keep in enumerate(np.asarray(rounds), start=1):  # round r: the r heaviest
+        expected = np.ones((5, 36), np.float32)
+        np.put_along_axis(expected, order[:, :r], 0.0, axis=1)
+        np.testing.assert_array_equal(keep, expected)
 
 
 def test_interacting_patches_show_the_search_is_greedy_not_exhaustive():
@@ -46,13 +48,14 @@ def test_interacting_patches_show_the_search_is_greedy_not_exhaustive():
         pairs = sum(v * occluded[a] * occluded[b] for (a, b), v in pair_margin.items())
         return jnp.where(occluded.sum() == 2, pairs, 1.0 + single)[None]
 
-    keep = np.asarray(occlusion.greedy_keep(margin_of, 1, 4, 2))[0]
-    assert set(np.flatnonzero(keep == 0)) == {0, 1}
+    first, second = np.asarray(occlusion.greedy_keep(margin_of, 1, 4, 2))[:, 0]
+    assert set(np.flatnonzero(first == 0)) == {0}
+    assert set(np.flatnonzero(second == 0)) == {0, 1}
     exhaustive = min(itertools.combinations(range(4), 2), key=pair_margin.get)
     assert exhaustive == (1, 2)
 
 
 def test_each_mask_occludes_exactly_k_distinct_patches():
-    """A constant margin (every trial ties): still k distinct patches per image."""
-    keep = occlusion.greedy_keep(lambda keep: jnp.zeros(keep.shape[0]), 3, 16, 3)
-    assert np.asarray(keep).sum(axis=1).tolist() == [13, 13, 13]
+    """A constant margin (every trial ties): still r distinct patches per image in round r."""
+    rounds = occlusion.greedy_keep(lambda keep: jnp.zeros(keep.shape[0]), 3, 16, 3)
+    assert np.asarray(rounds).sum(axis=2).tolist() == [[15] * 3, [14] * 3, [13] * 3]

@@ -134,10 +134,12 @@ def test_greedy_adaptive_masks_against_the_exact_worst_case(
     )
     every, greedy = results["patch_occlusion"]["every_mask_accuracy"], results["adaptive_occlusion"]
     assert greedy["occluded_patches"] == occluded and greedy["num_patches"] == 16
-    assert greedy["evaluations_per_image"] == occluded * 16 + 1
+    assert greedy["evaluations_per_image"] == occluded * 17
     if occluded == 1:
         assert greedy["accuracy"] == every["worst_case"]
     assert every["worst_case"] <= greedy["accuracy"] <= every["mean"] + 1e-9
+    assert len(greedy["accuracy_by_patches"]) == occluded
+    assert greedy["accuracy_by_patches"][-1] == greedy["accuracy"]
     assert "greedy adaptive masks (%)" in (tmp_path / "report.md").read_text()
 
 

@@ -169,7 +169,8 @@ def test_payoff36_has_36_tokens_the_greedy_search_and_an_independent_transfer_so
 
 def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data_dir, tmp_path):
     """The source trains once per setting (its own run directory, its seed), every run is
-    evaluated with its masks and the greedy search, and the report pairs both."""
+    evaluated with its masks and (added after the runs finished, evaluated without training
+    them again) the greedy search, and the report pairs both."""
     config = _smoke_config(digits_data_dir)
     config.study.settings = dict(
         canvas16=dict(
@@ -179,8 +180,19 @@ def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data
         )
     )
     config.study.transfer = dict(method="rspc lam=0.5 corruption_model=content", seed=100)
-    config.evaluation.suites = "clean,patch_occlusion,adaptive_occlusion,transfer_occlusion"
+    config.evaluation.suites = "clean,patch_occlusion,transfer_occlusion"
     study_runner.run_study(config, str(tmp_path), command="transfer")
+    # A suite added after the runs finished: evaluated on their checkpoints, nothing trained.
+    config.evaluation.suites += ",adaptive_occlusion"
+    plain = tmp_path / "runs" / "canvas16" / "clean_s0"
+    log, first_report = (plain / "metrics.jsonl").read_text(), (plain / "eval" / "report.md")
+    first_report = first_report.read_text()
+    study_runner.run_study(config, str(tmp_path), command="added", reevaluate=["clean"])
+    assert (plain / "metrics.jsonl").read_text() == log
+    assert (plain / "eval" / "report.md").read_text() == first_report
+    assert (plain / "eval" / "clean+adaptive_occlusion" / "report.md").exists()
+    record = json.loads((plain / "study_run.json").read_text())
+    assert record["reevaluated"] == ["adaptive_occlusion", "clean"]
     source = (
         tmp_path
         / "runs"
@@ -199,7 +211,7 @@ def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data
         assert 0 <= record["results"]["adaptive_occlusion"]["accuracy"] <= 1
     results = (tmp_path / "results.md").read_text()
     header = results.split("## Learned against random")[1].split("\n\n")[2].splitlines()[0]
-    assert "| worst case | greedy | transfer | clean |" in header
+    assert "| worst case | greedy | greedy, 1 patch | transfer | clean |" in header
     assert "## Transfer sources" in results and "- canvas16: clean " in results
 
 

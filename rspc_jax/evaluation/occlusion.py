@@ -39,21 +39,23 @@ def every_keep_mask(num_patches: int, occluded: int) -> np.ndarray:
 def greedy_keep(
     margin_of: Callable[[jax.Array], jax.Array], batch: int, num_patches: int, occluded: int
 ) -> jax.Array:
-    """(batch, N) keep-masks with `occluded` zeros chosen greedily against a model: in each
-    of `occluded` rounds every patch not yet occluded is tried on top of those chosen, and
-    the one giving the lowest `margin_of(keep)` (B,) (the label's logit minus the best
-    other) is kept. `occluded` * N calls of `margin_of`, where the exact worst case needs
-    C(N, occluded) (58905 for 4 of 36): the adaptive search where there are too many masks."""
+    """(occluded, batch, N) keep-masks chosen greedily against a model, one per round: in
+    round r every patch not yet occluded is tried on top of the r - 1 chosen, and the one
+    giving the lowest `margin_of(keep)` (B,) (the label's logit minus the best other) is
+    kept; entry r - 1 occludes r patches, the last `occluded`. `occluded` * N calls of
+    `margin_of`, where the exact worst case needs C(N, occluded) (58905 for 4 of 36): the
+    adaptive search where there are too many masks."""
     trials = jnp.eye(num_patches, dtype=jnp.float32)
 
     def one_round(keep, _):
         margins = jax.lax.map(lambda patch: margin_of(keep * (1 - patch)), trials).T  # (B, N)
         margins = jnp.where(keep == 0, jnp.inf, margins)
         chosen = jax.nn.one_hot(jnp.argmin(margins, axis=1), num_patches, dtype=keep.dtype)
-        return keep * (1 - chosen), None
+        keep = keep * (1 - chosen)
+        return keep, keep
 
     keep = jnp.ones((batch, num_patches), jnp.float32)
-    return jax.lax.scan(one_round, keep, None, length=occluded)[0]
+    return jax.lax.scan(one_round, keep, None, length=occluded)[1]
 
 
 def occlude_patches(

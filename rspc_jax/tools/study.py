@@ -138,15 +138,17 @@ def run_config(config, setting: str, method: str, seed: int):
     return config
 
 
-def run_one(config, workdir: str) -> dict:
-    """Trains (unless finished) and evaluates (unless done) one run; its record."""
+def run_one(config, workdir: str, reevaluate=()) -> dict:
+    """Trains (unless finished) and evaluates one run; its record. A finished run is
+    evaluated only with the suites of config.evaluation.suites its record lacks and those in
+    `reevaluate` (`_evaluate_again`)."""
     from rspc_jax.evaluation import run_suites as evaluation_run
     from rspc_jax.training import loop as train
 
     record_path = os.path.join(workdir, "study_run.json")
     if os.path.exists(record_path):
         with open(record_path) as f:
-            return json.load(f)
+            return _evaluate_again(config, workdir, json.load(f), reevaluate)
     start = time.time()
     train.train_and_evaluate(config, workdir)
     trained = time.time()
@@ -162,9 +164,35 @@ def run_one(config, workdir: str) -> dict:
         results=results,
         train_log=train_log,
     )
+    _write_record(record_path, record)
+    return record
+
+
+def _write_record(path: str, record: dict) -> None:
+    """Process 0 writes the record whole or not at all (a new file renamed over the old)."""
     if jax.process_index() == 0:
-        with open(record_path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(record, f)
+        os.replace(path + ".tmp", path)
+
+
+def _evaluate_again(config, workdir: str, record: dict, reevaluate) -> dict:
+    """The finished run's record with the suites it lacks, and those in `reevaluate`,
+    evaluated on its final checkpoint (to <run>/eval/<suites>/, the first report kept) and
+    their results replaced; evaluate seconds added, the suites listed under 'reevaluated'."""
+    from rspc_jax.evaluation import run_suites as evaluation_run
+
+    wanted = [s for s in config.evaluation.suites.split(",") if s]
+    names = [s for s in wanted if s not in record["results"] or s in (reevaluate or ())]
+    if not names:
+        return record
+    start = time.time()
+    out = os.path.join(workdir, "eval", "+".join(names))
+    results = evaluation_run.run_suites(config, workdir=workdir, suites=",".join(names), out=out)
+    record["results"].update(results)
+    record["eval_seconds"] = round(record["eval_seconds"] + time.time() - start, 1)
+    record["reevaluated"] = sorted(set(record.get("reevaluated", [])) | set(names))
+    _write_record(os.path.join(workdir, "study_run.json"), record)
     return record
 
 
@@ -183,6 +211,9 @@ def summarise(record: dict) -> dict:
     for suite, metric in (("adaptive_occlusion", "greedy"), ("transfer_occlusion", "transfer")):
         if "accuracy" in results.get(suite, {}):  # not where the suite was skipped
             row[metric] = results[suite]["accuracy"]
+    by_patches = results.get("adaptive_occlusion", {}).get("accuracy_by_patches", [])
+    if len(by_patches) > 1:
+        row["greedy, 1 patch"] = by_patches[0]
     if "attention_stability" in results:
         row["Cos-Sim"] = results["attention_stability"]["mean_cos_sim"]
     if "train/weighted_align_to_ce" in log[-1]:
@@ -241,6 +272,7 @@ PERCENT = (
     "every mask",
     "worst case",
     "greedy",
+    "greedy, 1 patch",
     "transfer",
     "Cos-Sim",
     "C's mask: accuracy",
@@ -304,6 +336,7 @@ PAIRED = (
     "mCE vs plain",
     "worst case",
     "greedy",
+    "greedy, 1 patch",
     "transfer",
     "clean",
     "Cos-Sim",
@@ -476,8 +509,9 @@ def _introduction(command: str, seeds: dict, seconds: dict) -> list[str]:
         "'every mask' and 'worst case' (where there are few enough masks): the mean accuracy "
         "over every mask of that many patches, and the share of images classified correctly "
         "under every one of them; 'greedy': accuracy under masks searched per image "
-        "against the model (`adaptive_occlusion`, k·N + 1 forward passes for k of N "
-        "patches; an upper bound on the worst case); 'transfer': accuracy under the masks of "
+        "against the model (`adaptive_occlusion`, k·N + k forward passes for k of N "
+        "patches; an upper bound on the worst case), 'greedy, 1 patch' its first round (the "
+        "exact worst case over single patches); 'transfer': accuracy under the masks of "
         "one fixed, independently trained C (the setting's transfer source, below), the same "
         "adversary for every method; λ·L_align/CE and the training entropies come from the "
         "training log (the first and the last log step); the 'C:' columns describe C's masks "
@@ -693,9 +727,12 @@ def _parts(workdir: str) -> list[str]:
     return lines + [""]
 
 
-def run_study(config, workdir: str, command: str, settings=None, seeds=None) -> str:
+def run_study(
+    config, workdir: str, command: str, settings=None, seeds=None, reevaluate=None
+) -> str:
     """Trains and evaluates `settings` x `seeds` (default: all of the config), then reports
-    every setting and seed finished in `workdir` (by this or earlier invocations)."""
+    every setting and seed finished in `workdir` (by this or earlier invocations). Finished
+    runs get the suites they lack and those named in `reevaluate` (`run_one`)."""
     check(config)
     settings, seeds = select(config, settings, seeds)
     start = time.time()
@@ -706,7 +743,7 @@ def run_study(config, workdir: str, command: str, settings=None, seeds=None) -> 
                 logging.info(f"== {setting}: {method}, seed {seed}")
                 run = run_config(config, setting, method, seed)
                 run.evaluation.transfer_from = sources[setting]
-                run_one(run, _run_dir(workdir, setting, method, seed))
+                run_one(run, _run_dir(workdir, setting, method, seed), reevaluate)
     if jax.process_index() != 0:
         return ""
     _log_part(workdir, command, settings, seeds, time.time() - start)
