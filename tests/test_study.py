@@ -313,6 +313,8 @@ def test_study_in_parts_reports_every_finished_seed_with_paired_differences(
         canvas16=dict(about="parts", config=dict(dataset="sklearn_digits_canvas"), methods=methods)
     )
     config.study.seeds = (0, 1, 2)
+    # the suites the fake records hold (a suite they lacked would be evaluated on checkpoints)
+    config.evaluation.suites = "clean,patch_occlusion,corrupted_local"
     numbers = {"clean": (0.8, 0.5), "random_patches lam=0.5": (0.85, 0.4), "rspc lam=0.5": None}
     for seed in (0, 1, 2):
         for method in methods if seed < 2 else ("clean",):  # seed 2 unfinished
