@@ -38,7 +38,9 @@ chooses by the same rule among weights of a diversity term on the official C's s
 the setting with more tokens (the textured digits at 48 px, 36 tokens, 4 occluded): the
 16-token study's methods, evaluated also under masks searched against each model (the
 greedy `adaptive_occlusion`) and under the masks of one content C trained on seed 100 (a
-transfer attack, `config.study.transfer`).
+transfer attack, `config.study.transfer`). `:payoff_transfer16` puts `:payoff_diversity`'s
+methods on canvas16 and textured16 under the same transfer attack (one content C per setting,
+seed 100) and the worst case over every mask, seeds 0-3, without the corruption suite.
 
 Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
@@ -66,6 +68,7 @@ _VARIANTS = (
     "payoff_diversity_validation",
     "payoff_diversity",
     "payoff36",
+    "payoff_transfer16",
 )
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
@@ -132,6 +135,8 @@ def get_config(arg=None):
         _payoff(c, validation=False, methods=_DIVERSITY_HEADLINE)
     if arg == "payoff36":
         _payoff36(c)
+    if arg == "payoff_transfer16":
+        _payoff_transfer16(c)
     if arg == "smoke":
         c.study.seeds = (0,)
         c.study.settings = dict(
@@ -294,3 +299,14 @@ def _payoff36(c) -> None:
     c.evaluation.suites = (
         "clean,patch_occlusion,corrupted_local,adaptive_occlusion,transfer_occlusion"
     )
+
+
+def _payoff_transfer16(c) -> None:
+    """The transfer attack at 16 tokens (module docstring): `:payoff_diversity`'s methods and
+    run directories, each run also under the masks of one content C per setting (seed 100).
+    The corruption suite is left out (its numbers are `:payoff_headline`'s), which halves a
+    run's evaluation; seeds 0-3."""
+    _payoff(c, validation=False, methods=_DIVERSITY_HEADLINE)
+    c.study.seeds = tuple(range(4))
+    c.study.transfer = ml_collections.ConfigDict(dict(method=_CONTENT, seed=100))
+    c.evaluation.suites = "clean,patch_occlusion,transfer_occlusion"

@@ -31,6 +31,7 @@ VARIANTS.update(
             "payoff_diversity_validation",
             "payoff_diversity",
             "payoff36",
+            "payoff_transfer16",
         ],
     }
 )

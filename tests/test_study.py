@@ -167,6 +167,19 @@ def test_payoff36_has_36_tokens_the_greedy_search_and_an_independent_transfer_so
         study_runner.check(config)
 
 
+def test_payoff_transfer16_attacks_the_16_token_runs_with_one_content_c_per_setting():
+    """The transfer attack at 16 tokens: `:payoff_diversity`'s settings and methods (so the
+    same run directories), every run under the masks of a content C on a seed no run uses,
+    the worst case over every mask kept."""
+    _, config = load_config(REPO / "configs" / "demo_study.py", "payoff_transfer16")
+    _, diversity = load_config(REPO / "configs" / "demo_study.py", "payoff_diversity")
+    study_runner.check(config)
+    assert dict(config.study.settings) == dict(diversity.study.settings)
+    assert {"patch_occlusion", "transfer_occlusion"} <= set(config.evaluation.suites.split(","))
+    assert "corruption_model=content" in config.study.transfer.method
+    assert config.study.transfer.seed not in config.study.seeds
+
+
 def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data_dir, tmp_path):
     """The source trains once per setting (its own run directory, its seed), every run is
     evaluated with its masks and (added after the runs finished, evaluated without training
