@@ -41,6 +41,9 @@ greedy `adaptive_occlusion`) and under the masks of one content C trained on see
 transfer attack, `config.study.transfer`). `:payoff_transfer16` puts `:payoff_diversity`'s
 methods on canvas16 and textured16 under the same transfer attack (one content C per setting,
 seed 100) and the worst case over every mask, seeds 0-3, without the corruption suite.
+`:payoff_adaptive16` tests at 16 tokens what `:payoff36` found for the content C (above random
+patches and plain training on the single most harmful patch): plain, random patches and the
+content C on canvas16 and textured16 under the greedy search, seeds 0-3.
 
 Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
@@ -69,6 +72,7 @@ _VARIANTS = (
     "payoff_diversity",
     "payoff36",
     "payoff_transfer16",
+    "payoff_adaptive16",
 )
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
@@ -137,6 +141,8 @@ def get_config(arg=None):
         _payoff36(c)
     if arg == "payoff_transfer16":
         _payoff_transfer16(c)
+    if arg == "payoff_adaptive16":
+        _payoff_adaptive16(c)
     if arg == "smoke":
         c.study.seeds = (0,)
         c.study.settings = dict(
@@ -310,3 +316,19 @@ def _payoff_transfer16(c) -> None:
     c.study.seeds = tuple(range(4))
     c.study.transfer = ml_collections.ConfigDict(dict(method=_CONTENT, seed=100))
     c.evaluation.suites = "clean,patch_occlusion,transfer_occlusion"
+
+
+# The hypothesis, written down from `:payoff36`'s seeds 0-5 before this variant ran: training
+# against the content C beats random patches and plain training on the single most harmful
+# patch ('greedy, 1 patch', the search's first round). Tested here on the two 16-token
+# settings, `:payoff`'s run directories, nothing chosen.
+_ADAPTIVE16 = ("clean", "random_patches lam=0.5", _CONTENT)
+
+
+def _payoff_adaptive16(c) -> None:
+    """The single-patch worst case at 16 tokens (module docstring): plain, random patches and
+    the content C on canvas16 and textured16, under the greedy search (2 rounds of 16 trials:
+    its first is the exact worst case over single patches) and every mask of 2; seeds 0-3."""
+    _payoff(c, validation=False, methods=_ADAPTIVE16)
+    c.study.seeds = tuple(range(4))
+    c.evaluation.suites = "clean,patch_occlusion,adaptive_occlusion"

@@ -32,6 +32,7 @@ VARIANTS.update(
             "payoff_diversity",
             "payoff36",
             "payoff_transfer16",
+            "payoff_adaptive16",
         ],
     }
 )

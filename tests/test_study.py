@@ -180,6 +180,19 @@ def test_payoff_transfer16_attacks_the_16_token_runs_with_one_content_c_per_sett
     assert config.study.transfer.seed not in config.study.seeds
 
 
+def test_payoff_adaptive16_puts_the_content_c_under_the_greedy_search_at_16_tokens():
+    """The 36-token hypothesis tested at 16 tokens: plain, random patches and the content C,
+    with `:payoff`'s settings and run names, under the greedy search and every mask."""
+    _, config = load_config(REPO / "configs" / "demo_study.py", "payoff_adaptive16")
+    _, payoff = load_config(REPO / "configs" / "demo_study.py", "payoff")
+    study_runner.check(config)
+    assert set(config.study.settings) == set(payoff.study.settings) == {"canvas16", "textured16"}
+    for name, spec in config.study.settings.items():
+        assert set(spec.methods) < set(payoff.study.settings[name].methods)
+        assert any("corruption_model=content" in m for m in spec.methods)
+    assert {"patch_occlusion", "adaptive_occlusion"} <= set(config.evaluation.suites.split(","))
+
+
 def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data_dir, tmp_path):
     """The source trains once per setting (its own run directory, its seed), every run is
     evaluated with its masks and (added after the runs finished, evaluated without training
