@@ -280,6 +280,8 @@ def _payoff(c, validation: bool, headline: bool = False, methods=None) -> None:
 # (no new choice is made here): plain, random patches, the official C (the validation's
 # choice), the official C with the diversity term at its chosen weight, and the content C.
 # Every method also meets the masks of one content C trained on seed 100 (a transfer attack).
+# The transfer source: one content C on a seed no run of a study uses (one per setting).
+_TRANSFER_SOURCE = dict(method=_CONTENT, seed=100)
 _PAYOFF36 = (
     "clean",
     "random_patches lam=0.5",
@@ -300,7 +302,7 @@ def _payoff36(c) -> None:
         ),
     )
     c.study.seeds = tuple(range(8))
-    c.study.transfer = ml_collections.ConfigDict(dict(method=_CONTENT, seed=100))
+    c.study.transfer = ml_collections.ConfigDict(_TRANSFER_SOURCE)
     c.evaluation.figure_images = 8
     c.evaluation.suites = (
         "clean,patch_occlusion,corrupted_local,adaptive_occlusion,transfer_occlusion"
@@ -314,7 +316,7 @@ def _payoff_transfer16(c) -> None:
     run's evaluation; seeds 0-3."""
     _payoff(c, validation=False, methods=_DIVERSITY_HEADLINE)
     c.study.seeds = tuple(range(4))
-    c.study.transfer = ml_collections.ConfigDict(dict(method=_CONTENT, seed=100))
+    c.study.transfer = ml_collections.ConfigDict(_TRANSFER_SOURCE)
     c.evaluation.suites = "clean,patch_occlusion,transfer_occlusion"
 
 
