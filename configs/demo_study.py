@@ -44,6 +44,8 @@ seed 100) and the worst case over every mask, seeds 0-3, without the corruption 
 `:payoff_adaptive16` tests at 16 tokens what `:payoff36` found for the content C (above random
 patches and plain training on the single most harmful patch): plain, random patches and the
 content C on canvas16 and textured16 under the greedy search, seeds 0-11 planned.
+`:payoff_object16` adds the control that separates "on the digit" from "chosen against the
+model": random patches on the digit (`random_object_patches`), in the same run directories.
 
 Methods are 'rspc' or a name of rspc_jax.training.ablations, optionally followed by
 `field=value` overrides of config.rspc. Lambda grid: 0.005 (official) to 5 in decades, since
@@ -73,6 +75,7 @@ _VARIANTS = (
     "payoff36",
     "payoff_transfer16",
     "payoff_adaptive16",
+    "payoff_object16",
 )
 _LAMBDAS = (0.05, 0.5, 5.0)
 _PAPER_MODE = "ste=identity corruption_grad_scale=1.0"  # the paper's C: no AMP loss scale
@@ -143,6 +146,10 @@ def get_config(arg=None):
         _payoff_transfer16(c)
     if arg == "payoff_adaptive16":
         _payoff_adaptive16(c)
+    if arg == "payoff_object16":
+        _payoff_adaptive16(c)
+        for spec in c.study.settings.values():
+            spec.methods = (*spec.methods, _ON_THE_DIGIT)
     if arg == "smoke":
         c.study.seeds = (0,)
         c.study.settings = dict(
@@ -325,6 +332,12 @@ def _payoff_transfer16(c) -> None:
 # patch ('greedy, 1 patch', the search's first round). Tested here on the two 16-token
 # settings, `:payoff`'s run directories, nothing chosen.
 _ADAPTIVE16 = ("clean", "random_patches lam=0.5", _CONTENT)
+# `:payoff_object16`'s control: random patches, those on the digit first (the content C puts
+# 100% of its patches there), not chosen against the model. Written before its runs: if being
+# on the digit is what buys the content C its single-patch result, these runs reach it
+# (content C - them within 2 paired SE of 0 on greedy, 1 patch); if choosing against the model
+# matters, the content C stays above them by more than 2 SE on both settings.
+_ON_THE_DIGIT = "random_object_patches lam=0.5"
 
 
 def _payoff_adaptive16(c) -> None:

@@ -166,6 +166,14 @@ def sampled_keep_mask(
     return (perturbed > kth_lowest).astype(scores.dtype)
 
 
+def object_first_scores(random_scores: jax.Array, on_object: jax.Array) -> jax.Array:
+    """Random scores (B, N) in [0, 1) lowered by 1 on the patches that hold the object: the
+    official rule, which occludes the lowest scores, then takes the object's patches first,
+    at random among them, and background patches only where an image has too few
+    (`rspc.selection='random_object'`, the control for a C that selects the object)."""
+    return random_scores - on_object.astype(random_scores.dtype)
+
+
 def gumbel_draws(rng: jax.Array, example_ids: jax.Array, num_patches: int) -> jax.Array:
     """Standard Gumbel noise (B, N) keyed by global example index (as `uniform_noise`)."""
     return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(rng, i), (num_patches,)))(
@@ -542,7 +550,7 @@ def selection_temperature(rspc_config) -> float | None:
     """None for the official quantile rule (the official C at temperature 0); else the
     temperature of `sampled_keep_mask`, which the content C always uses (its scores of
     identical patches tie, and the quantile rule would occlude every tied patch)."""
-    if rspc_config.selection == "random":
+    if rspc_config.selection != "learned":
         return None
     if rspc_config.corruption_model == "official" and rspc_config.temperature == 0:
         return None

@@ -193,6 +193,30 @@ def test_payoff_adaptive16_puts_the_content_c_under_the_greedy_search_at_16_toke
     assert {"patch_occlusion", "adaptive_occlusion"} <= set(config.evaluation.suites.split(","))
 
 
+def test_payoff_object16_adds_random_digit_patches_to_the_adaptive16_runs():
+    """The control shares `:payoff_adaptive16`'s runs and adds random patches on the digit,
+    which the report pairs with the content C in a table of its own."""
+    _, config = load_config(REPO / "configs" / "demo_study.py", "payoff_object16")
+    _, adaptive = load_config(REPO / "configs" / "demo_study.py", "payoff_adaptive16")
+    study_runner.check(config)
+    assert config.study.seeds == adaptive.study.seeds
+    assert config.evaluation.suites == adaptive.evaluation.suites
+    for name, spec in config.study.settings.items():
+        added = set(spec.methods) - set(adaptive.study.settings[name].methods)
+        assert added == {"random_object_patches lam=0.5"}
+        run = study_runner.run_config(config, name, added.pop(), seed=0)
+        assert (run.rspc.selection, run.rspc.lam) == ("random_object", 0.5)
+    rows = {
+        "rspc lam=0.5 corruption_model=content temperature=1.0": [{"greedy, 1 patch": 0.3}],
+        "random_patches lam=0.5": [{"greedy, 1 patch": 0.2}],
+        "random_object_patches lam=0.5": [{"greedy, 1 patch": 0.25}],
+    }
+    ((_, on_digit),) = study_runner.learned_vs_random(rows, "random_object_patches")
+    assert on_digit == {"greedy, 1 patch": [pytest.approx(0.05)]}
+    ((_, anywhere),) = study_runner.learned_vs_random(rows)
+    assert anywhere == {"greedy, 1 patch": [pytest.approx(0.1)]}
+
+
 def test_every_run_of_a_study_meets_the_masks_of_one_transfer_source(digits_data_dir, tmp_path):
     """The source trains once per setting (its own run directory, its seed), every run is
     evaluated with its masks and (added after the runs finished, evaluated without training

@@ -36,6 +36,7 @@ LABELS = {
     "clean": "plain",
     "rspc": "RSPC",
     "random_patches": "RSPC, random patches",
+    "random_object_patches": "RSPC, random patches on the digit",
     "clean_and_corrupted": "clean + corrupted",
 }
 # The methods of the README's headline table (those present in a setting).
@@ -321,10 +322,11 @@ SELECTION_FIELDS = (
 )
 
 
-def random_twin(method: str) -> str:
-    """'rspc lam=0.5 corruption_model=content' -> 'random_patches lam=0.5'."""
+def random_twin(method: str, random: str = "random_patches") -> str:
+    """'rspc lam=0.5 corruption_model=content' -> 'random_patches lam=0.5' (or the method
+    `random` names: 'random_object_patches', random patches on the object)."""
     kept = [f for f in method.split()[1:] if f.partition("=")[0] not in SELECTION_FIELDS]
-    return " ".join(["random_patches", *kept])
+    return " ".join([random, *kept])
 
 
 # The paired differences the study reports, where both runs have them: randomly occluded,
@@ -352,13 +354,14 @@ def _differences(runs: list, references: list) -> dict:
     }
 
 
-def learned_vs_random(rows: dict) -> list[tuple]:
+def learned_vs_random(rows: dict, random: str = "random_patches") -> list[tuple]:
     """(method, {metric: difference learned - random per seed}) for every learned method and
-    the random-patch method it differs from only in the selection (metrics of PAIRED)."""
+    the random-patch method (`random`) it differs from only in the selection (metrics of
+    PAIRED)."""
     return [
-        (method, _differences(rows[method], rows[random_twin(method)]))
+        (method, _differences(rows[method], rows[random_twin(method, random)]))
         for method in rows
-        if parse_method(method)[0] == "rspc" and random_twin(method) in rows
+        if parse_method(method)[0] == "rspc" and random_twin(method, random) in rows
     ]
 
 
@@ -581,11 +584,12 @@ def _paired_tables(rows: dict, settings) -> list[str]:
         "each seed's). 'mCE vs plain' is in points of the relative corruption error."
     )
     learned = {s: learned_vs_random(rows[s]) for s in settings}
+    on_object = {s: learned_vs_random(rows[s], "random_object_patches") for s in settings}
     plain = {s: against_plain(rows[s]) for s in settings}
-    return [
-        *_paired_table("Learned against random selection", about, learned),
-        *_paired_table("Against plain training", about, plain),
-    ]
+    lines = _paired_table("Learned against random selection", about, learned)
+    if any(on_object.values()):  # the control for a C that selects the object
+        lines += _paired_table("Learned against random patches on the digit", about, on_object)
+    return lines + _paired_table("Against plain training", about, plain)
 
 
 def _transfer_sources(config, workdir: str, settings) -> list[str]:

@@ -32,6 +32,12 @@ ABLATIONS = {
         "Table 3 'RSPC on randomly selected patches': alignment, random masks",
         _rspc(selection="random"),
     ),
+    "random_object_patches": (
+        "beyond the paper: alignment, random masks on the object's patches first (datasets "
+        "that say where the object is): the control for a C that selects the object "
+        "(docs/method.md, 'Random patches on the object')",
+        _rspc(selection="random_object"),
+    ),
     "ce_objective": (
         "the corruption model ascends CE on the occluded images instead of "
         "L_align (the classifier descends CE(clean) + CE(occluded))",

@@ -22,7 +22,7 @@ CHOICES = {
     "rspc.ste": ("clip", "identity"),
     "rspc.noise_space": ("normalized", "pixel"),
     "rspc.clamp": ("imagenet", "dataset", "none"),
-    "rspc.selection": ("learned", "random"),
+    "rspc.selection": ("learned", "random", "random_object"),
     "rspc.corruption_model": ("official", "content"),
     "rspc.objective": ("align", "ce"),
     "rspc.fill": ("noise", "zero", "drop"),

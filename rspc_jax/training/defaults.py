@@ -104,7 +104,7 @@ def get_default_config() -> ml_collections.ConfigDict:
             corruption_grad_scale=65536.0,
             noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
             clamp="imagenet",  # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
-            selection="learned",  # 'learned' | 'random' (Table 3 ablation)
+            selection="learned",  # 'learned' | 'random' (Table 3) | 'random_object' (control)
             # Beyond the paper (docs/method.md, "A per-image C"): 'official' | 'content' (scores
             # from each patch's own pixels, exactly k per image by Gumbel top-k).
             corruption_model="official",

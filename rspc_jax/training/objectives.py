@@ -72,14 +72,22 @@ def _occlusion_noise(ctx: Context, rng, images):
     return (uniform - jnp.asarray(s.noise_mean)) / jnp.asarray(s.noise_std)
 
 
+def _object_patches(ctx: Context, images):
+    """(B, N) True where a patch holds part of the object (the dataset's object_threshold)."""
+    s = ctx.settings
+    pixels = images * jnp.asarray(s.pixel_std) + jnp.asarray(s.pixel_mean)
+    return selection.object_patches(pixels, ctx.corruption_model.patch_size, s.object_threshold)
+
+
 def _selection_draws(ctx: Context, images):
-    """(random_scores, sampling) of `rspc.rspc_loss`: random masks (Table 3's ablation) or
-    Gumbel draws for masks sampled at a temperature; (None, None) for the official rule."""
+    """(random_scores, sampling) of `rspc.rspc_loss`: random masks (Table 3's ablation; with
+    `object_first` on the object's patches first) or Gumbel draws for masks sampled at a temperature; (None, None) for the official rule."""
     s = ctx.settings
     if s.random_selection:
-        return rspc.uniform_noise(
-            ctx.select_rng, ctx.example_ids, (_num_patches(ctx, images),)
-        ), None
+        scores = rspc.uniform_noise(ctx.select_rng, ctx.example_ids, (_num_patches(ctx, images),))
+        if s.object_first:
+            scores = rspc.object_first_scores(scores, _object_patches(ctx, images))
+        return scores, None
     if s.selection_temperature is not None:
         rng = jax.random.fold_in(ctx.select_rng, 1)
         gumbel = rspc.gumbel_draws(rng, ctx.example_ids, _num_patches(ctx, images))
@@ -152,10 +160,7 @@ def _chosen_masks(ctx: Context, images, keep):
     s = ctx.settings
     chosen = {"occluded": (1 - keep).astype(jnp.int8)}
     if s.object_threshold is not None:
-        pixels = images * jnp.asarray(s.pixel_std) + jnp.asarray(s.pixel_mean)
-        chosen["on_object"] = selection.object_patches(
-            pixels, ctx.corruption_model.patch_size, s.object_threshold
-        )
+        chosen["on_object"] = _object_patches(ctx, images)
     return chosen
 
 

@@ -23,6 +23,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails on bad settings before anything is built or compiled: every field's range
     (checks.validate_config), then what needs the devices or files."""
     checks.validate_config(config)
+    _check_object_selection(config)
     parallel.check_batch_size(config.batch_size)
     per_device = config.batch_size // jax.device_count()
     if per_device % config.grad_accum_steps:
@@ -46,6 +47,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"config.init_from: checkpoint {config.init_from} does not exist; pass the path of "
             "a .pth/.safetensors/.npz file"
+        )
+
+
+def _check_object_selection(config) -> None:
+    """Random patches on the object need a dataset whose spec says which pixels are the object."""
+    if not (config.rspc.enabled and config.rspc.selection == "random_object"):
+        return
+    if datasets.dataset_spec(config.dataset).object_threshold is None:
+        raise ConfigError(
+            f"rspc.selection='random_object' occludes random patches of the object, but dataset "
+            f"{config.dataset!r} does not say which pixels are its object (its spec has no "
+            "object_threshold). Use it on the digits datasets, or use rspc.selection='random'."
         )
 
 
@@ -115,7 +128,7 @@ def step_settings(
         noise_std=noise_std,
         clamp_lower=lower,
         clamp_upper=upper,
-        random_selection=r.selection == "random",
+        random_selection=r.selection != "learned",
         align_blocks=tuple(r.align_blocks) or None,
         label_smoothing=config.label_smoothing,
         mixup=mixup,
@@ -135,6 +148,7 @@ def step_settings(
         learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
         learned_batch_fraction=float(r.learned_batch_fraction),
         corruption_diversity=float(r.corruption_diversity),
+        object_first=r.selection == "random_object",
     )
 
 

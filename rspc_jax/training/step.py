@@ -64,7 +64,7 @@ class StepSettings:
     noise_std: Any
     clamp_lower: Any  # None = no clamp
     clamp_upper: Any
-    random_selection: bool
+    random_selection: bool  # random masks ('random' or 'random_object'), C never selects
     align_blocks: Any  # None = all blocks
     label_smoothing: float
     mixup: Any  # dict of mixup/cutmix settings, None = off
@@ -86,6 +86,7 @@ class StepSettings:
     learned_fraction_ramp_steps: int = 0
     learned_batch_fraction: float = 1.0
     corruption_diversity: float = 0.0  # the weight of rspc.diversity_loss; 0 = official
+    object_first: bool = False  # random masks on the object's patches first ('random_object')
 
 
 def create_train_state(

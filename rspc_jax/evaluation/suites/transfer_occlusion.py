@@ -56,7 +56,7 @@ def load_source(ctx: Context) -> tuple:
         )
     workdir = resolve_path(ctx.settings.transfer_from)
     source = _source_config(workdir)
-    if not source.rspc.enabled or source.rspc.selection == "random":
+    if not source.rspc.enabled or source.rspc.selection != "learned":
         raise ConfigError(
             f"evaluation.transfer_from={workdir} trained no corruption model (rspc off or "
             "random selection); name a run with learned selection."
