@@ -132,6 +132,30 @@ def test_export_refuses_ema_when_the_run_kept_none(tmp_path):
         export.export(str(workdir), str(tmp_path / "x.safetensors"), ema=True)
 
 
+@pytest.mark.parametrize("out,corruption_out", [("vit.pth", None), ("vit.safetensors", "c.pth")])
+def test_a_torch_file_without_torch_is_refused_with_the_fix_before_the_run_is_read(
+    tmp_path, monkeypatch, out, corruption_out
+):
+    """The message names requirements-torch.txt and .safetensors, and comes before anything
+    is read (the workdir here does not even exist); the CLI prints it without a traceback."""
+    from rspc_jax import ReportedError
+
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # import torch fails
+    with pytest.raises(ReportedError, match="requirements-torch.txt.*safetensors"):
+        export.export(
+            str(tmp_path / "no_run"),
+            str(tmp_path / out),
+            corruption_out=corruption_out and str(tmp_path / corruption_out),
+        )
+
+
+def test_a_workdir_that_is_no_run_is_refused_with_the_fix(tmp_path):
+    from rspc_jax import ReportedError
+
+    with pytest.raises(ReportedError, match="is not a training run.*rspc_jax.main"):
+        export.export(str(tmp_path / "no_run"), str(tmp_path / "vit.safetensors"))
+
+
 def test_init_from_starts_training_at_the_checkpoint(demo_run, digits_data_dir, tmp_path, caplog):
     workdir, _ = demo_run
     start = str(tmp_path / "start.safetensors")

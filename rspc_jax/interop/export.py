@@ -18,7 +18,7 @@ import os
 import ml_collections
 import tensorflow as tf
 
-from rspc_jax import models
+from rspc_jax import ConfigError, models
 from rspc_jax.data import specs as datasets
 from rspc_jax.interop import checkpoints, state_dicts
 from rspc_jax.models import fan, rvt
@@ -33,9 +33,17 @@ def export(
     workdir: str, out: str, *, step=None, ema: bool = False, fmt: str = "auto", corruption_out=None
 ) -> str:
     """Writes the export of run `workdir`; returns a one-line summary."""
+    safetensors = fmt == "safetensors" or (fmt == "auto" and out.endswith(".safetensors"))
+    for path, needs_torch in ((out, not safetensors), (corruption_out, bool(corruption_out))):
+        if needs_torch and not path.endswith(".safetensors"):
+            state_dicts.require_torch(path)  # before the checkpoint is read
     config_path = os.path.join(workdir, "config.json")
     if not tf.io.gfile.exists(config_path):
-        raise FileNotFoundError(f"{config_path} not found; --workdir must be a training run")
+        raise checkpoints.NoCheckpointError(
+            f"{config_path} not found: --workdir={workdir} is not a training run. Pass the "
+            "--workdir that `python -m rspc_jax.main` trained into (relative paths are from "
+            "the current directory)."
+        )
     with tf.io.gfile.GFile(config_path) as f:
         config = ml_collections.ConfigDict(json.load(f))
     model = models.from_config(config, datasets.dataset_spec(config.dataset).num_classes)
@@ -48,7 +56,7 @@ def export(
     )
     has_ema = bool(state.get("ema_params"))
     if ema and not has_ema:
-        raise ValueError(
+        raise ConfigError(
             f"run {workdir} kept no EMA (ema_decay = {config.ema_decay}); export without --ema"
         )
     batch_stats = state.get("batch_stats") or {}
@@ -64,7 +72,6 @@ def export(
         else None
     )
     chosen = averaged if ema else raw
-    safetensors = fmt == "safetensors" or (fmt == "auto" and out.endswith(".safetensors"))
     if safetensors:
         state_dicts.save_safetensors(
             out,
@@ -87,7 +94,10 @@ def export(
     )
     if corruption_out:
         if not state.get("corruption_params"):
-            raise ValueError(f"run {workdir} trained without RSPC: it has no corruption model")
+            raise ConfigError(
+                f"run {workdir} trained without RSPC: it has no corruption model; drop "
+                "--corruption_out"
+            )
         corruption = state_dicts.export_state_dict(dict(params=state["corruption_params"]))
         if corruption_out.endswith(".safetensors"):
             state_dicts.save_safetensors(corruption_out, corruption, metadata=dict(step=str(step)))

@@ -33,15 +33,24 @@ GRID_PARAMETERS = ("att_mask", "pos_embed")
 _ENTRIES = {False: ("state_dict", "model"), True: ("state_dict_ema", "model_ema")}
 
 
+class TorchMissingError(ReportedError, ImportError):
+    """A .pth/.pt file to read or write, and no PyTorch installed (the message says how)."""
+
+
 def _import_torch(path: str):
     try:
         import torch
     except ImportError:
-        raise ImportError(
+        raise TorchMissingError(
             f"{path} is a PyTorch file, which needs PyTorch: {TORCH_HINT} "
             "(or use .safetensors, which needs no torch)"
         ) from None
     return torch
+
+
+def require_torch(path: str) -> None:
+    """Fails now, with the fix, where writing `path` later would need PyTorch and it is missing."""
+    _import_torch(path)
 
 
 class CheckpointFileError(ReportedError, ValueError):
