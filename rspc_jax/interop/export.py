@@ -34,9 +34,10 @@ def export(
 ) -> str:
     """Writes the export of run `workdir`; returns a one-line summary."""
     safetensors = fmt == "safetensors" or (fmt == "auto" and out.endswith(".safetensors"))
-    for path, needs_torch in ((out, not safetensors), (corruption_out, bool(corruption_out))):
-        if needs_torch and not path.endswith(".safetensors"):
-            state_dicts.require_torch(path)  # before the checkpoint is read
+    if not safetensors:  # missing torch is said before the checkpoint is read
+        state_dicts.require_torch(out)
+    if corruption_out and not corruption_out.endswith(".safetensors"):
+        state_dicts.require_torch(corruption_out)
     config_path = os.path.join(workdir, "config.json")
     if not tf.io.gfile.exists(config_path):
         raise checkpoints.NoCheckpointError(

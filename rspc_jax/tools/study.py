@@ -109,7 +109,7 @@ def _check_transfer(config) -> None:
     if not transfer:
         return
     name, fields = parse_method(transfer.method)
-    if name != "rspc" or fields.get("selection") == "random":
+    if name != "rspc" or fields.get("selection", "learned") != "learned":
         raise ConfigError(
             f"config.study.transfer.method {transfer.method!r} learns no masks; name an 'rspc' "
             "method (e.g. 'rspc lam=0.5 corruption_model=content temperature=1.0')."

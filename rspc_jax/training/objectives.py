@@ -81,7 +81,8 @@ def _object_patches(ctx: Context, images):
 
 def _selection_draws(ctx: Context, images):
     """(random_scores, sampling) of `rspc.rspc_loss`: random masks (Table 3's ablation; with
-    `object_first` on the object's patches first) or Gumbel draws for masks sampled at a temperature; (None, None) for the official rule."""
+    `object_first` on the object's patches first) or Gumbel draws for masks sampled at a
+    temperature; (None, None) for the official rule."""
     s = ctx.settings
     if s.random_selection:
         scores = rspc.uniform_noise(ctx.select_rng, ctx.example_ids, (_num_patches(ctx, images),))
