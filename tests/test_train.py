@@ -366,14 +366,16 @@ def test_on_cpu_the_train_step_is_jitted_with_the_memory_schedule_which_changes_
         np.testing.assert_array_equal(a, b)
 
 
-def test_on_cpu_the_train_step_runs_onednn_s_products_which_agree_to_float32_rounding(
+def test_on_cpu_onednn_s_products_are_opt_in_and_agree_to_float32_rounding(
     digits_data_dir,
 ):
-    """oneDNN's products (`ops.compiler_options`, the default on CPU; the suite runs with
-    jaxlib's, tests/conftest.py) reach the compile of the RSPC step, each product alone (its
-    fused form crashes XLA:CPU), and the step's new state and metrics agree
+    """oneDNN's products reach the compile of the RSPC step only when chosen
+    (`cpu_products='onednn'`, each product alone: its fused form crashes XLA:CPU); by
+    default the step has none, since a oneDNN program freed while it runs aborts the
+    process (tests/test_cpu_stress.py). Chosen, the step's new state and metrics agree
     with jaxlib's default products to float32 rounding."""
     results = _rspc_step_both_ways(digits_data_dir, "cpu_products", "onednn")
+    assert not (ops.compiler_options() or {}).get("xla_cpu_use_onednn")
     fusions = {
         c: collections.Counter(re.findall(r'"kind":"(__\w+_fusion)"', results[c][0].as_text()))
         for c in results

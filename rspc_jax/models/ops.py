@@ -70,19 +70,12 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _onednn_by_default() -> bool:
-    """oneDNN's products where the steps are not stored in JAX's persistent compilation
-    cache: XLA:CPU cannot write a step with them into it, so with a cache the steps take
-    jaxlib's default products, which it stores and loads."""
-    return _on_cpu() and not jax.config.jax_compilation_cache_dir
-
-
 def _auto(name: str) -> bool:
     """Whether 'auto' picks the named choice's own form (not XLA's) on this backend."""
     if name == "attention":
         return jax.default_backend() == "gpu"
     if name == "cpu_products":
-        return _onednn_by_default()
+        return False
     if name == "batched_gradient":
         return _uses("cpu_products")
     return _on_cpu()
@@ -201,11 +194,14 @@ def compiler_options() -> dict[str, str | bool] | None:
       independent ops so that its threads can run them concurrently, which keeps their
       buffers alive together; the memory schedule cuts the steps' temporaries and runs
       them as fast or faster on few cores. Scheduling changes no value.
-    - `cpu_products`: oneDNN's matrix products, each product alone: jaxlib's default
-      library (YNNPACK) runs a batched product (attention's) on one thread, oneDNN on all
-      cores; oneDNN's products fused with elementwise ops crash XLA:CPU on RVT*'s attention.
-      The products agree to float32 rounding. Not where JAX's persistent compilation cache
-      is on (`_onednn_by_default`)."""
+    - `cpu_products`: jaxlib's default products unless 'onednn' is chosen. oneDNN's
+      products (each product alone; the fused form crashes on RVT*'s attention) run a
+      batched product on all cores where jaxlib's default runs it on one, but XLA:CPU's
+      oneDNN thunk returns its runtime to a pool only after the run's completion can free
+      the executable: a program released while its last run finishes aborts the process
+      (`ObjectPool` check) or hangs (docs/faults.md, 'A CPU process aborts in oneDNN').
+      Hence opt-in only, e.g. for a benchmark that keeps its steps alive. Not storable in
+      JAX's persistent compilation cache either."""
     if not _on_cpu():
         return None
     options = {}
