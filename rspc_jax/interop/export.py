@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from rspc_jax import ConfigError, models
 from rspc_jax.data import specs as datasets
-from rspc_jax.interop import checkpoints, state_dicts
+from rspc_jax.interop import checkpoints, run_record, state_dicts
 from rspc_jax.models import fan, rvt
 
 
@@ -32,7 +32,8 @@ def official_container(model) -> bool:
 def export(
     workdir: str, out: str, *, step=None, ema: bool = False, fmt: str = "auto", corruption_out=None
 ) -> str:
-    """Writes the export of run `workdir`; returns a one-line summary."""
+    """Writes the export of run `workdir`; returns a one-line summary, which says when the
+    run's settings changed on the way (interop.run_record)."""
     safetensors = fmt == "safetensors" or (fmt == "auto" and out.endswith(".safetensors"))
     if not safetensors:  # missing torch is said before the checkpoint is read
         state_dicts.require_torch(out)
@@ -107,4 +108,5 @@ def export(
                 corruption_out, dict(state_dict=corruption, arch="patchocclusion")
             )
         summary += f"; corruption model ({', '.join(corruption)}) to {corruption_out}"
-    return summary
+    note = run_record.changes_note(workdir, step)
+    return f"{summary}. Note: {note}" if note else summary
