@@ -2,7 +2,8 @@
 before anything is written, or, with --accept_config_change, recorded with its step and
 reported by export, evaluate and the study; a rerun that changes only how the run is logged
 or executed resumes silently; imported weights that are not finite stop the run before its
-first step (rspc_jax/interop/run_record.py, docs/faults.md)."""
+first step, and an evaluation of them before it runs (rspc_jax/interop/run_record.py,
+docs/faults.md)."""
 
 import json
 import logging
@@ -15,6 +16,7 @@ import pytest
 
 from rspc_jax import models
 from rspc_jax.data import specs as datasets
+from rspc_jax.evaluation import run_suites
 from rspc_jax.interop import export, run_record, state_dicts
 from rspc_jax.training import loop as train
 
@@ -44,9 +46,7 @@ def _copy(stopped_run, tmp_path):
     return config.copy_and_resolve_references(), shutil.copytree(base, tmp_path / "run")
 
 
-def test_a_rerun_that_changes_what_is_trained_is_refused_and_writes_nothing(
-    stopped_run, tmp_path
-):
+def test_a_rerun_that_changes_what_is_trained_is_refused_and_writes_nothing(stopped_run, tmp_path):
     config, workdir = _copy(stopped_run, tmp_path)
     before = _files(workdir)
     flags = [f"--config.{key}={value}" for key, value in CHANGES.items()]
@@ -175,3 +175,9 @@ def test_imported_weights_that_are_not_finite_stop_the_run_before_its_first_step
     assert "in 1 of its" in _text(error.value) and "head.weight" in _text(error.value)
     assert list((workdir / "checkpoints").iterdir()) == []
     assert not (workdir / "metrics.jsonl").exists()
+    # evaluate and analyze read --checkpoint through the same loader.
+    model = models.from_config(config, datasets.dataset_spec(config.dataset).num_classes)
+    with pytest.raises(state_dicts.NonFiniteWeightsError, match="head.weight"):
+        run_suites.load_variables(
+            config, model, workdir=None, checkpoint=path, step=None, ema=False
+        )

@@ -130,10 +130,10 @@ def _length_sentence(changed: dict, step: int, finished: bool) -> str:
     """What a change of the run's length does, when one of `LENGTH` changed."""
     if not any(key in changed for key in LENGTH):
         return ""
-    extend = "Extending a finished run is such a change: " if finished else ""
+    extends = f"The run ended at step {step}, so this extends it, and a" if finished else "A"
     return (
-        f" {extend}a new length recomputes the learning-rate schedule (warm-up, cosine, "
-        f"cool-down) over the new number of steps, so the steps after {step} follow another "
+        f" {extends} new length recomputes the learning-rate schedule (warm-up, cosine, "
+        f"cool-down) over the new number of steps: the steps after {step} follow another "
         "curve than the first ones did."
     )
 
@@ -148,13 +148,14 @@ def refusal(workdir: str, changed: dict, step: int, finished: bool) -> ConfigCha
     return ConfigChangeError(
         f"--workdir {workdir} holds a run {state} whose settings differ from this command's "
         f"in what is trained: {describe(changed)} (saved in {os.path.join(workdir, CONFIG)} → "
-        "this command). Resuming would train on with them while the record said every step "
-        f"ran with one set, so nothing was run or written.{_length_sentence(changed, step, finished)} "
-        f"To resume the run as it was, rerun with the saved values: {flags or '(the saved config)'}. "
-        f"To continue with the change deliberately, rerun with {ACCEPT_FLAG}: the change is "
-        f"recorded as taking effect after step {step} in {os.path.join(workdir, HISTORY)}, "
-        "metrics.jsonl and TensorBoard, and evaluate, export and the study's reports mention "
-        "it. Or pass another --workdir to train a new run."
+        f"this command). Going on with them would train the steps after {step} otherwise "
+        "than the first ones while the record named one set of settings for all, so nothing "
+        f"was run or written.{_length_sentence(changed, step, finished)} To keep the run as "
+        f"it was, rerun with the saved values: {flags or '(the saved config)'}. To go on with "
+        f"the change deliberately, rerun with {ACCEPT_FLAG}: the change is recorded as taking "
+        f"effect after step {step} in {os.path.join(workdir, HISTORY)}, metrics.jsonl and "
+        "TensorBoard, and evaluate, export and the study's reports mention it. Or pass another "
+        "--workdir to train a new run."
     )
 
 

@@ -286,8 +286,8 @@ def train_and_evaluate(
     `accept_config_change`: then the change is recorded with its step.
     """
     setup.validate_config(config)
-    change = _config_change(config, resolve_path(workdir), accept_config_change)
-    workdir = resolve_workdir(workdir)
+    workdir = resolve_workdir(workdir)  # its test file is gone again when it returns
+    change = _config_change(config, workdir, accept_config_change)
     with _workdir_locked(workdir, force_unlock) as lock:
         checked = {}  # the step's footprint and memory limit, once it compiled
         try:
