@@ -98,6 +98,9 @@ def test_an_accepted_change_trains_on_and_the_record_keeps_both_settings(
     assert run_record.changes_note(str(workdir), step=2) is None
     summary = export.export(str(workdir), str(tmp_path / "w.safetensors"))
     assert "changed on the way (after step 2: batch_size" in summary
+    run_suites.run_suites(changed, workdir=str(workdir), suites="clean", out=str(tmp_path / "e"))
+    report = _text((tmp_path / "e" / "report.md").read_text())
+    assert f"Note: the settings of the run in {workdir} changed on the way (after step 2" in report
     # Rerun unchanged now, the run is finished and its record stays as it was.
     record = _files(workdir)
     assert train.train_and_evaluate(changed, str(workdir))["step"] == 6
