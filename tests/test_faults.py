@@ -153,14 +153,19 @@ def _poisoned_at(step: int) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_path, monkeypatch):
-    config, base = base_run
+def _poison_classifier_updates(monkeypatch, step: int) -> None:
+    """The classifier's optimizer of every run built from here on is `_poisoned_at(step)`."""
     original = optim.classifier_optimizer
     monkeypatch.setattr(
         optim,
         "classifier_optimizer",
-        lambda *args, **kwargs: optax.chain(original(*args, **kwargs), _poisoned_at(3)),
+        lambda *args, **kwargs: optax.chain(original(*args, **kwargs), _poisoned_at(step)),
     )
+
+
+def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_path, monkeypatch):
+    config, base = base_run
+    _poison_classifier_updates(monkeypatch, 3)
     config = _config(config.data_dir, total_steps=6, checkpoint_every_steps=1)
     workdir = tmp_path / "run"
     with pytest.raises(reporting.NonFiniteLossError, match="step 3 was not finite") as error:
@@ -189,12 +194,7 @@ def test_a_first_step_that_is_not_finite_points_at_the_initial_weights(
     finite ones of config.init_from, which an update then blows up) are named beside the
     learning rate."""
     config, base = base_run
-    original = optim.classifier_optimizer
-    monkeypatch.setattr(
-        optim,
-        "classifier_optimizer",
-        lambda *args, **kwargs: optax.chain(original(*args, **kwargs), _poisoned_at(1)),
-    )
+    _poison_classifier_updates(monkeypatch, 1)
     _, state, _ = checkpoints.read_saved_state(str(base / "checkpoints"), 4)
     weights = tmp_path / "init.npz"
     np.savez(weights, **state_dicts.export_state_dict(state))
