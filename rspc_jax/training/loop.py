@@ -330,12 +330,16 @@ def _has_batch_norm(config) -> bool:
     return bool(models.abstract_variables(model, config.image_size).get("batch_stats"))
 
 
-def _saved_total_steps(config, saved: dict) -> int:
+def _saved_total_steps(config, saved: dict) -> int | float:
     """The length of the run whose config.json is `saved` (its data read where `config`
-    reads it)."""
+    reads it); infinite where it cannot be told (a config.json of an older version, its
+    dataset no longer prepared here), so that the run does not count as finished."""
     saved = ml_collections.ConfigDict(saved)
     saved.data_dir = config.data_dir
-    return _schedule(saved, datasets.dataset_spec(saved.dataset)).total_steps
+    try:
+        return _schedule(saved, datasets.dataset_spec(saved.dataset)).total_steps
+    except (AttributeError, KeyError, ReportedError, tf.errors.OpError):
+        return float("inf")
 
 
 def _record_change(workdir: str, config, change: dict, step: int, logger) -> None:
