@@ -1,7 +1,8 @@
 """Entry point: `python -m rspc_jax.main --config=configs/<file>.py[:arg] --workdir=DIR`.
 
 Any config field can be overridden with `--config.<key>=<value>`. Rerunning the same
-command resumes from the last checkpoint in `--workdir`. The config's values and the
+command resumes from the last checkpoint in `--workdir`; a rerun that changes what the run
+trains is refused unless `--accept_config_change` (interop/run_record.py). The config's values and the
 workdir are checked before JAX and TensorFlow are imported, so bad input fails at once.
 """
 
@@ -34,6 +35,14 @@ _FORCE_UNLOCK = flags.DEFINE_bool(
     "heartbeat stopped 10 minutes ago, are taken over without it.",
 )
 
+_ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
+    "accept_config_change",
+    False,
+    "Resume a run although this command changes what it trains (batch size, learning rate, "
+    "model, data, schedule, length, ...): the change is recorded with its step in "
+    "<workdir>/config_history.jsonl. Without it such a resume is refused, naming each change.",
+)
+
 
 def main(argv):
     checks.validate_config(_CONFIG.value)
@@ -43,7 +52,12 @@ def main(argv):
     # Imported here so that --help and bad input stay fast and JAX starts after the checks.
     from rspc_jax.training import loop
 
-    loop.train_and_evaluate(config, _WORKDIR.value, force_unlock=_FORCE_UNLOCK.value)
+    loop.train_and_evaluate(
+        config,
+        _WORKDIR.value,
+        force_unlock=_FORCE_UNLOCK.value,
+        accept_config_change=_ACCEPT_CONFIG_CHANGE.value,
+    )
 
 
 if __name__ == "__main__":

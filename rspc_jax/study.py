@@ -31,6 +31,13 @@ _REEVALUATE = flags.DEFINE_list(
     "training); suites of config.evaluation.suites that a finished run lacks always are.",
 )
 
+_ACCEPT_CONFIG_CHANGE = flags.DEFINE_bool(
+    "accept_config_change",
+    False,
+    "Resume unfinished runs although the config changes what they train; each change is "
+    "recorded with its step (<run>/config_history.jsonl) and listed in results.md.",
+)
+
 
 def main(argv):
     if not _WORKDIR.value:
@@ -46,6 +53,7 @@ def main(argv):
         settings=_SETTINGS.value,
         seeds=_SEEDS.value,
         reevaluate=_REEVALUATE.value,
+        accept_config_change=_ACCEPT_CONFIG_CHANGE.value,
     )
     if path:
         print(f"Results: {path}", flush=True)

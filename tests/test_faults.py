@@ -18,17 +18,18 @@ import tensorflow as tf
 import tensorstore as ts
 
 from rspc_jax import ConfigError
-from rspc_jax.interop import checkpoints
+from rspc_jax.interop import checkpoints, state_dicts
 from rspc_jax.training import checks, optim, reporting, setup
 from rspc_jax.training import loop as train
 
 
 @pytest.fixture(scope="module")
 def base_run(digits_data_dir, tmp_path_factory):
-    """A 4-step smoke run with checkpoints at steps 2 and 4 (copied by each test)."""
-    config = _config(digits_data_dir, total_steps=4, checkpoint_every_steps=2)
+    """A 6-step smoke run stopped after step 4, with checkpoints at steps 2 and 4 (copied by
+    each test, which resumes it with the same settings)."""
+    config = _config(digits_data_dir, total_steps=6, checkpoint_every_steps=2)
     workdir = tmp_path_factory.mktemp("faults") / "base"
-    train.train_and_evaluate(config, str(workdir))
+    train.train_and_evaluate(config, str(workdir), should_stop=lambda step: step >= 4)
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
     return config, workdir
 
@@ -79,7 +80,6 @@ def test_an_unreadable_latest_checkpoint_is_set_aside_and_the_run_resumes_before
     config, base = base_run
     workdir = _copy(base, tmp_path)
     damage(workdir / "checkpoints" / "4")
-    config = _config(config.data_dir, total_steps=6, checkpoint_every_steps=2)
     with caplog.at_level(logging.WARNING):
         result = train.train_and_evaluate(config, str(workdir))
     assert result["step"] == 6
@@ -104,11 +104,12 @@ def test_when_no_checkpoint_can_be_read_nothing_is_moved(base_run, tmp_path):
 
 
 def test_a_checkpoint_of_another_model_is_a_mismatch_not_damage(base_run, tmp_path):
+    """Even with the change of the model accepted (--accept_config_change)."""
     config, base = base_run
     workdir = _copy(base, tmp_path)
-    wider = _config(config.data_dir, total_steps=4, **{"model.width": 48})
+    wider = _config(config.data_dir, total_steps=6, **{"model.width": 48})
     with pytest.raises(checkpoints.CheckpointMismatchError, match="does not match the state"):
-        train.train_and_evaluate(wider, str(workdir))
+        train.train_and_evaluate(wider, str(workdir), accept_config_change=True)
     assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
     assert not (workdir / "checkpoints.unreadable").exists()
 
@@ -120,7 +121,8 @@ def test_a_damaged_record_file_is_one_paragraph_and_the_last_checkpoint_stays(ba
     shutil.copytree(config.data_dir, damaged)
     (record,) = damaged.glob("sklearn_digits/*/sklearn_digits-train.tfrecord*")
     os.truncate(record, os.path.getsize(record) // 2)
-    config = _config(str(damaged), total_steps=6, checkpoint_every_steps=2)
+    config = config.copy_and_resolve_references()
+    config.data_dir = str(damaged)
     with pytest.raises(train.DamagedDataError) as error:
         train.train_and_evaluate(config, str(workdir))
     message = " ".join(str(error.value).split())
@@ -151,20 +153,28 @@ def _poisoned_at(step: int) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
-def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_path, monkeypatch):
-    config, base = base_run
+def _poison_classifier_updates(monkeypatch, step: int) -> None:
+    """The classifier's optimizer of every run built from here on is `_poisoned_at(step)`."""
     original = optim.classifier_optimizer
     monkeypatch.setattr(
         optim,
         "classifier_optimizer",
-        lambda *args, **kwargs: optax.chain(original(*args, **kwargs), _poisoned_at(3)),
+        lambda *args, **kwargs: optax.chain(original(*args, **kwargs), _poisoned_at(step)),
     )
-    config = _config(config.data_dir, total_steps=4, checkpoint_every_steps=1)
+
+
+def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_path, monkeypatch):
+    config, base = base_run
+    _poison_classifier_updates(monkeypatch, 3)
+    config = _config(config.data_dir, total_steps=6, checkpoint_every_steps=1)
     workdir = tmp_path / "run"
-    with pytest.raises(reporting.NonFiniteLossError, match="step 3 was not finite"):
+    with pytest.raises(reporting.NonFiniteLossError, match="step 3 was not finite") as error:
         train.train_and_evaluate(config, str(workdir))
     saved = sorted(int(s) for s in os.listdir(workdir / "checkpoints"))
     assert saved == [1, 2]
+    paragraph = " ".join(str(error.value).split())
+    assert f"The checkpoint of step 2 in {workdir}/checkpoints is intact" in paragraph
+    assert "Lower the learning rate" in paragraph and "initial weights" not in paragraph
     for step in saved:
         _, state, _ = checkpoints.read_saved_state(str(workdir / "checkpoints"), step)
         assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(state))
@@ -175,6 +185,29 @@ def test_no_checkpoint_ever_holds_what_a_non_finite_step_produced(base_run, tmp_
     _, reference, _ = checkpoints.read_saved_state(str(base / "checkpoints"), 2)
     for a, b in zip(jax.tree.leaves(last["params"]), jax.tree.leaves(reference["params"])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=0)
+
+
+def test_a_first_step_that_is_not_finite_points_at_the_initial_weights(
+    base_run, tmp_path, monkeypatch
+):
+    """No checkpoint exists yet, and the paragraph says so; the initial weights (here the
+    finite ones of config.init_from, which an update then blows up) are named beside the
+    learning rate."""
+    config, base = base_run
+    _poison_classifier_updates(monkeypatch, 1)
+    _, state, _ = checkpoints.read_saved_state(str(base / "checkpoints"), 4)
+    weights = tmp_path / "init.npz"
+    np.savez(weights, **state_dicts.export_state_dict(state))
+    config = _config(config.data_dir, total_steps=2, init_from=str(weights))
+    workdir = tmp_path / "run"
+    with pytest.raises(reporting.NonFiniteLossError) as error:
+        train.train_and_evaluate(config, str(workdir))
+    paragraph = " ".join(str(error.value).split())
+    assert paragraph.startswith("step 1 was not finite")
+    assert "No checkpoint was written yet" in paragraph
+    assert f"suspect its initial weights, the weights of config.init_from={weights}" in paragraph
+    assert "config.optimizer.lr" in paragraph and "starts the run again from step 0" in paragraph
+    assert os.listdir(workdir / "checkpoints") == []
 
 
 def _failing_writes(step: int):
@@ -264,7 +297,6 @@ def test_a_resumed_run_logs_each_step_once_and_reads_past_a_cut_last_line(base_r
     with open(workdir / "metrics.jsonl", "a") as f:  # what a run killed at step 6 leaves
         f.write('{"step": 5, "train/loss": 2.3}\n{"step": 6, "train/loss": 2.3}\n{"step": 7, "tr')
     assert _train_records(workdir) == [1, 2, 3, 4, 5, 6]
-    config = _config(config.data_dir, total_steps=6, checkpoint_every_steps=2)
     train.train_and_evaluate(config, str(workdir))
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(line) for line in lines)

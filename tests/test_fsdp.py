@@ -172,12 +172,13 @@ _RESUME_SCRIPT = textwrap.dedent("""
     from tests.conftest import smoke_config
 
     data_dir, workdir, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    for sharding, total_steps in runs:
-        config = smoke_config(data_dir, sharding=sharding, total_steps=total_steps, ema_decay=0.9,
-                              keep_best="accuracy", **{"rspc.enabled": False},
+    for sharding, stop_at in runs:  # one run of 6 steps, stopped and resumed
+        config = smoke_config(data_dir, sharding=sharding, total_steps=6, eval_every_steps=2,
+                              ema_decay=0.9, keep_best="accuracy", **{"rspc.enabled": False},
                               **json.loads(sys.argv[4]))
         steps = []
-        result = loop.train_and_evaluate(config, workdir, should_stop=lambda s: steps.append(s))
+        result = loop.train_and_evaluate(
+            config, workdir, should_stop=lambda s: steps.append(s) or s >= stop_at)
         kernel = result["state"].params["blocks_0"]["mlp"]["fc1"]["kernel"]
         _, saved, _ = checkpoints.read_saved_state(os.path.join(workdir, "checkpoints"))
         np.testing.assert_array_equal(saved["params"]["blocks_0"]["mlp"]["fc1"]["kernel"], kernel)

@@ -139,8 +139,8 @@ def test_resource_exhausted_at_a_step_is_the_paragraph_and_the_last_checkpoint_s
         )
 
     on_each_train_call(monkeypatch, out_of_memory)
-    with pytest.raises(memory_check.OutOfMemoryError) as error:
-        train.train_and_evaluate(config, str(workdir))
+    with pytest.raises(memory_check.OutOfMemoryError) as error:  # extended on purpose
+        train.train_and_evaluate(config, str(workdir), accept_config_change=True)
     text = _text(error.value)
     for part in (
         "the device ran out of memory (RESOURCE_EXHAUSTED: Out of memory while trying",

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rspc_jax import ConfigError
+from rspc_jax.interop import run_record
 from rspc_jax.tools import study as study_runner
 from tests.conftest import REPO, load_config
 
@@ -372,11 +373,20 @@ def test_study_in_parts_reports_every_finished_seed_with_paired_differences(
             run = tmp_path / "runs" / "canvas16" / f"{method.replace(' ', '_')}_s{seed}"
             run.mkdir(parents=True)
             (run / "study_run.json").write_text(json.dumps(_fake_record(accuracy, error)))
+    # One run resumed with another learning rate after step 2 (--accept_config_change).
+    changed = tmp_path / "runs" / "canvas16" / "clean_s1"
+    (changed / "checkpoints" / "6").mkdir(parents=True)
+    run_record.record_change(str(changed), {}, {}, {"optimizer.lr": (0.016, 0.01)}, step=2)
     with pytest.raises(ConfigError, match="--settings"):
         study_runner.run_study(config, str(tmp_path), "part", settings=["nowhere"])
     study_runner.run_study(config, str(tmp_path), "part 1", settings=["canvas16"], seeds=[0, 1])
     results = (tmp_path / "results.md").read_text()
     assert "Seeds: canvas16 [0, 1]" in results
+    changes = results.split("## Runs whose settings changed on the way")[1].split("##")[0]
+    assert f"run in {changed} changed on the way (after step 2: optimizer.lr 0.016 → 0.01)" in (
+        " ".join(changes.split())
+    )
+    assert changes.count("changed on the way") == 1
     assert "- `part 1`: settings canvas16, seeds 0, 1:" in results
     learned = _row(results, "| canvas16 | RSPC, λ=0.5 |")
     # occluded: +1 and +2 points against random; corruptions: -5 points both seeds

@@ -187,10 +187,11 @@ def test_a_stale_lock_is_taken_over_and_the_run_resumes(digits_data_dir, tmp_pat
     from rspc_jax.training import loop
 
     workdir = tmp_path / "run"
-    loop.train_and_evaluate(smoke_config(digits_data_dir, total_steps=3), str(workdir))
+    config = smoke_config(digits_data_dir)
+    loop.train_and_evaluate(config, str(workdir), should_stop=lambda step: step >= 3)
     _write_lock(workdir, _dead_pid())  # what a killed run leaves
     with caplog.at_level(logging.INFO):
-        result = loop.train_and_evaluate(smoke_config(digits_data_dir), str(workdir))
+        result = loop.train_and_evaluate(config, str(workdir))
     assert result["step"] == 6
     assert "its run is gone" in caplog.text and "Resumed from" in caplog.text
     assert not (workdir / "run.lock").exists()

@@ -54,8 +54,10 @@ def write(
     dataset: str,
     source: str,
     config,
+    note: str | None = None,
 ) -> str:
-    """Writes <out_dir>/report.md of the suites' `results`; returns its path."""
+    """Writes <out_dir>/report.md of the suites' `results`; returns its path. `note`: a
+    sentence saying that the run's settings changed on the way (interop.run_record)."""
     lines = [
         f"# Robustness report: {model_name} on {dataset}",
         "",
@@ -63,6 +65,7 @@ def write(
         f"{config.eval_preprocess or 'the dataset default'} at {config.image_size} px. "
         "Per-suite JSON files beside this report hold every number.",
         "",
+        *([f"Note: {note}", ""] if note else []),
     ]
     for name, result in results.items():
         lines += _suite_section(name, result, figure_paths.get(name, []), out_dir)

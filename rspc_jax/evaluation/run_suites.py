@@ -15,6 +15,7 @@ from rspc_jax.data import specs as datasets
 from rspc_jax.evaluation import loop as runner
 from rspc_jax.evaluation import registry, report, sources
 from rspc_jax.interop import checkpoints as checkpointing
+from rspc_jax.interop import run_record
 from rspc_jax.interop import state_dicts as interop
 
 
@@ -107,13 +108,26 @@ def _write_one(kind: str, name: str, result: dict, arrays: dict, out: str) -> li
     return paths
 
 
+def _changes_note(weights: dict) -> str | None:
+    """When the run whose checkpoint `weights` name changed its settings on the way
+    (interop.run_record), a sentence saying so, also logged as a warning."""
+    if weights["checkpoint"] or not weights["workdir"]:
+        return None
+    note = run_record.changes_note(weights["workdir"], weights["step"])
+    if note:
+        logging.warning(f"Note: {note}")
+    return note
+
+
 def _run_all(kind: str, names: list[str], config, settings, weights: dict, out, folder: str):
     """Runs the plug-ins `names` of `kind` on the weights that `weights` (load_variables'
     keywords) name, writing to `out` (default: `folder` beside the weights). Returns
-    ({name: result}, {name: figure paths}, the weights' description, the output folder)."""
+    ({name: result}, {name: figure paths}, the weights' description, the output folder, the
+    sentence saying that the run's settings changed on the way or None)."""
     spec = datasets.dataset_spec(config.dataset)
     model = models.from_config(config, spec.num_classes)
     variables, corruption_params, source = load_variables(config, model, **weights)
+    note = _changes_note(weights)
     ctx = build_context(config, model, variables, corruption_params, settings=settings)
     out = out or os.path.join(
         weights["workdir"] or os.path.dirname(os.path.abspath(weights["checkpoint"])), folder
@@ -124,7 +138,7 @@ def _run_all(kind: str, names: list[str], config, settings, weights: dict, out, 
         results[name], arrays = _run_one(kind, name, ctx)
         if jax.process_index() == 0:
             figure_paths[name] = _write_one(kind, name, results[name], arrays, out)
-    return results, figure_paths, source, out
+    return results, figure_paths, source, out, note
 
 
 def run_suites(
@@ -134,7 +148,7 @@ def run_suites(
     {suite: result} and writes the JSON files, the figures and report.md."""
     names = registry.names("suite", suites or config.evaluation.suites)
     weights = dict(workdir=workdir, checkpoint=checkpoint, step=step, ema=ema)
-    results, figure_paths, source, out = _run_all(
+    results, figure_paths, source, out, note = _run_all(
         "suite", names, config, config.evaluation, weights, out, "eval"
     )
     if jax.process_index() == 0:
@@ -146,6 +160,7 @@ def run_suites(
             dataset=config.dataset,
             source=source,
             config=config,
+            note=note,
         )
         logging.info(f"Report: {path}")
     return results
@@ -159,10 +174,10 @@ def run_analyses(
     summary.md."""
     names = registry.names("analysis", analyses)
     weights = dict(workdir=workdir, checkpoint=checkpoint, step=step, ema=ema)
-    results, figure_paths, source, out = _run_all(
+    results, figure_paths, source, out, note = _run_all(
         "analysis", names, config, config.analysis, weights, out, "analysis"
     )
-    sections = []
+    sections = [f"Note: {note}", ""] if note else []
     for name, result in results.items():
         lines = report.analysis_lines(name, result)
         print("\n".join(lines), flush=True)

@@ -365,6 +365,13 @@ def _check_tree(saved: dict, expected: dict, where: str, collection: str, model_
             )
 
 
+def latest_step(checkpoints: str) -> int | None:
+    """The newest finished checkpoint step in the folder `checkpoints`, None before the first
+    (orbax's unfinished saves are not steps)."""
+    steps = tf.io.gfile.listdir(checkpoints) if tf.io.gfile.isdir(checkpoints) else []
+    return max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
+
+
 def write_json(path: str, payload: dict) -> None:
     with tf.io.gfile.GFile(path, "w") as f:
         json.dump(payload, f, indent=2, sort_keys=True, default=str)

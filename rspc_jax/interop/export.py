@@ -12,15 +12,13 @@ the CLI is `python -m rspc_jax.export`.
   (`patch_embed.weight`, `fc.weight`), as the official `occlusion/*.pth.tar` holds them.
 """
 
-import json
 import os
 
 import ml_collections
-import tensorflow as tf
 
 from rspc_jax import ConfigError, models
 from rspc_jax.data import specs as datasets
-from rspc_jax.interop import checkpoints, state_dicts
+from rspc_jax.interop import checkpoints, run_record, state_dicts
 from rspc_jax.models import fan, rvt
 
 
@@ -29,24 +27,29 @@ def official_container(model) -> bool:
     return isinstance(model, (rvt.RVT, fan.FAN))
 
 
+def _run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config run `workdir` trains with (its config.json)."""
+    config = run_record.read_json(os.path.join(workdir, run_record.CONFIG))
+    if config is None:
+        raise checkpoints.NoCheckpointError(
+            f"{os.path.join(workdir, run_record.CONFIG)} not found: --workdir={workdir} is not "
+            "a training run. Pass the --workdir that `python -m rspc_jax.main` trained into "
+            "(relative paths are from the current directory)."
+        )
+    return ml_collections.ConfigDict(config)
+
+
 def export(
     workdir: str, out: str, *, step=None, ema: bool = False, fmt: str = "auto", corruption_out=None
 ) -> str:
-    """Writes the export of run `workdir`; returns a one-line summary."""
+    """Writes the export of run `workdir`; returns a one-line summary, which says when the
+    run's settings changed on the way (interop.run_record)."""
     safetensors = fmt == "safetensors" or (fmt == "auto" and out.endswith(".safetensors"))
     if not safetensors:  # missing torch is said before the checkpoint is read
         state_dicts.require_torch(out)
     if corruption_out and not corruption_out.endswith(".safetensors"):
         state_dicts.require_torch(corruption_out)
-    config_path = os.path.join(workdir, "config.json")
-    if not tf.io.gfile.exists(config_path):
-        raise checkpoints.NoCheckpointError(
-            f"{config_path} not found: --workdir={workdir} is not a training run. Pass the "
-            "--workdir that `python -m rspc_jax.main` trained into (relative paths are from "
-            "the current directory)."
-        )
-    with tf.io.gfile.GFile(config_path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    config = _run_config(workdir)
     model = models.from_config(config, datasets.dataset_spec(config.dataset).num_classes)
     step, state, _ = checkpoints.read_model_state(
         os.path.join(workdir, "checkpoints"),
@@ -107,4 +110,5 @@ def export(
                 corruption_out, dict(state_dict=corruption, arch="patchocclusion")
             )
         summary += f"; corruption model ({', '.join(corruption)}) to {corruption_out}"
-    return summary
+    note = run_record.changes_note(workdir, step)
+    return f"{summary}. Note: {note}" if note else summary

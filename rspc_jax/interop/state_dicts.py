@@ -248,6 +248,29 @@ def _resize_to_targets(state_dict: dict, targets: dict) -> dict:
     return resized
 
 
+class NonFiniteWeightsError(ReportedError, ValueError):
+    """A weights file whose tensors hold NaN or infinity."""
+
+
+def check_finite(state_dict: dict[str, np.ndarray], source: str) -> None:
+    """Refuses weights with a value that is not finite, naming the tensors: imported NaNs
+    would make the first step non-finite, and an evaluation of them meaningless."""
+    bad = [
+        key
+        for key, value in state_dict.items()
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all()
+    ]
+    if not bad:
+        return
+    shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    raise NonFiniteWeightsError(
+        f"{source} holds values that are not finite (NaN or infinity) in {len(bad)} of its "
+        f"{len(state_dict)} tensors: {shown}. Nothing was trained or evaluated with them. The "
+        "file was written after its training diverged, or is damaged: pass an intact file "
+        "(an earlier checkpoint of the run that wrote it, or export that run again)."
+    )
+
+
 def _hints(error: str) -> str:
     hints = []
     if f"{HEAD}.weight" in error or f"{HEAD}.bias" in error:
@@ -271,7 +294,7 @@ def load_variables(
 
     Strict: every parameter and BatchNorm statistic must come from `state_dict` (a
     ValueError lists all missing, unexpected and wrongly shaped keys; nothing is half
-    loaded). `reset_head` keeps the head of `init_variables` (for another number of
+    loaded), and every value finite (`check_finite`). `reset_head` keeps the head of `init_variables` (for another number of
     classes) and ignores the checkpoint's; `resize` interpolates PAAS masks and position
     embeddings trained at another image size.
     """
@@ -283,6 +306,7 @@ def load_variables(
     if reset_head:
         state_dict = {k: v for k, v in state_dict.items() if k.split(".")[0] != HEAD}
         kept = {k: t for k, t in targets.items() if t.path[0] != HEAD}
+    check_finite(state_dict, source)
     if resize:
         state_dict = _resize_to_targets(state_dict, kept)
     try:

@@ -30,6 +30,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rspc_jax.interop import run_record
 from rspc_jax.training import reporting
 
 LABELS = {
@@ -139,10 +140,11 @@ def run_config(config, setting: str, method: str, seed: int):
     return config
 
 
-def run_one(config, workdir: str, reevaluate=()) -> dict:
+def run_one(config, workdir: str, reevaluate=(), accept_config_change: bool = False) -> dict:
     """Trains (unless finished) and evaluates one run; its record. A finished run is
     evaluated only with the suites of config.evaluation.suites its record lacks and those in
-    `reevaluate` (`_evaluate_again`)."""
+    `reevaluate` (`_evaluate_again`). `accept_config_change`: a run resumed with settings
+    that change what it trains goes on, the change recorded (else it is refused)."""
     from rspc_jax.evaluation import run_suites as evaluation_run
     from rspc_jax.training import loop as train
 
@@ -151,7 +153,7 @@ def run_one(config, workdir: str, reevaluate=()) -> dict:
         with open(record_path) as f:
             return _evaluate_again(config, workdir, json.load(f), reevaluate)
     start = time.time()
-    train.train_and_evaluate(config, workdir)
+    train.train_and_evaluate(config, workdir, accept_config_change=accept_config_change)
     trained = time.time()
     results = evaluation_run.run_suites(config, workdir=workdir, out=os.path.join(workdir, "eval"))
     train_log = [
@@ -477,6 +479,7 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
         *_headline(rows, settings),
         *_paired_tables(rows, settings),
         *_transfer_sources(config, workdir, settings),
+        *_changed_settings(records, workdir),
         *_per_setting(rows, settings),
         *_wall_clock(seconds, settings, sorted(set().union(*seeds.values()))),
         "",
@@ -488,6 +491,21 @@ def write_results(records: dict, config, workdir: str, figure_paths, command: st
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def _changed_settings(records: dict, workdir: str) -> list[str]:
+    """The runs whose settings changed on the way (resumed with `--accept_config_change`),
+    each with its changes and steps; nothing when every run kept its settings."""
+    notes = [
+        run_record.changes_note(_run_dir(workdir, setting, method, seed))
+        for setting, runs in records.items()
+        for method, by_seed in runs.items()
+        for seed in by_seed
+    ]
+    notes = [note for note in notes if note]
+    if not notes:
+        return []
+    return ["## Runs whose settings changed on the way", "", *(f"- {n}" for n in notes), ""]
 
 
 def _introduction(command: str, seeds: dict, seconds: dict) -> list[str]:
@@ -732,11 +750,18 @@ def _parts(workdir: str) -> list[str]:
 
 
 def run_study(
-    config, workdir: str, command: str, settings=None, seeds=None, reevaluate=None
+    config,
+    workdir: str,
+    command: str,
+    settings=None,
+    seeds=None,
+    reevaluate=None,
+    accept_config_change: bool = False,
 ) -> str:
     """Trains and evaluates `settings` x `seeds` (default: all of the config), then reports
     every setting and seed finished in `workdir` (by this or earlier invocations). Finished
-    runs get the suites they lack and those named in `reevaluate` (`run_one`)."""
+    runs get the suites they lack and those named in `reevaluate`; unfinished runs resume,
+    with changed settings only given `accept_config_change` (`run_one`)."""
     check(config)
     settings, seeds = select(config, settings, seeds)
     start = time.time()
@@ -747,7 +772,8 @@ def run_study(
                 logging.info(f"== {setting}: {method}, seed {seed}")
                 run = run_config(config, setting, method, seed)
                 run.evaluation.transfer_from = sources[setting]
-                run_one(run, _run_dir(workdir, setting, method, seed), reevaluate)
+                run_dir = _run_dir(workdir, setting, method, seed)
+                run_one(run, run_dir, reevaluate, accept_config_change)
     if jax.process_index() != 0:
         return ""
     _log_part(workdir, command, settings, seeds, time.time() - start)

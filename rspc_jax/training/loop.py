@@ -19,13 +19,14 @@ import ml_collections
 import numpy as np
 import tensorflow as tf
 
-from rspc_jax import ConfigError, ReportedError, parallel, resolve_path
+from rspc_jax import ConfigError, ReportedError, models, parallel, resolve_path
 from rspc_jax.data import records
 from rspc_jax.data import specs as datasets
 from rspc_jax.data import train as train_data
 from rspc_jax.evaluation import run_suites
 from rspc_jax.evaluation.suites import clean as clean_suite
 from rspc_jax.interop import checkpoints as checkpointing
+from rspc_jax.interop import run_record
 from rspc_jax.interop import state_dicts as interop
 from rspc_jax.training import host_memory, memory_check, setup, workdir_lock
 from rspc_jax.training import reporting as metrics_lib
@@ -80,15 +81,9 @@ def _record_file(message: str) -> str | None:
     return found.group(0).rstrip(";:,'\"") if found else None
 
 
-def _latest_step(checkpoints: str) -> int | None:
-    """The newest finished checkpoint step in the folder `checkpoints`, None before the first."""
-    steps = tf.io.gfile.listdir(checkpoints) if tf.io.gfile.isdir(checkpoints) else []
-    return max((int(s.strip("/")) for s in steps if s.strip("/").isdigit()), default=None)
-
-
 def _resume_point(checkpoints: str) -> str:
     """Which checkpoint in the folder `checkpoints` a rerun resumes from, as a sentence."""
-    last = _latest_step(checkpoints)
+    last = checkpointing.latest_step(checkpoints)
     if last is None:
         return "No checkpoint was written yet"
     return f"The checkpoint of step {last} in {checkpoints} is intact and stays the resume point"
@@ -277,6 +272,7 @@ def train_and_evaluate(
     should_stop: Callable[[int], bool] | None = None,
     *,
     force_unlock: bool = False,
+    accept_config_change: bool = False,
 ) -> dict:
     """Trains (or resumes) the run in `workdir`.
 
@@ -285,14 +281,19 @@ def train_and_evaluate(
     asked after each call of the step, i.e. after each of config.steps_per_call steps
     between log, eval and checkpoint steps. The run holds the workdir's lock throughout
     (workdir_lock: a second run on the same workdir is refused); `force_unlock` takes it
-    from a run that still looks alive.
+    from a run that still looks alive. A resume whose config changes what the saved run
+    trains is refused before anything is written (interop.run_record), unless
+    `accept_config_change`: then the change is recorded with its step.
     """
     setup.validate_config(config)
-    workdir = resolve_workdir(workdir)
+    workdir = resolve_workdir(workdir)  # its test file is gone again when it returns
+    change = _config_change(config, workdir, accept_config_change)
     with _workdir_locked(workdir, force_unlock) as lock:
         checked = {}  # the step's footprint and memory limit, once it compiled
         try:
-            return _train_and_evaluate(config, workdir, should_stop, lock, checked)
+            return _train_and_evaluate(config, workdir, should_stop, lock, checked, change)
+        except metrics_lib.NonFiniteLossError as error:  # raised after the save in flight
+            raise _non_finite(config, workdir, error) from None
         except (tf.errors.DataLossError, tf.errors.NotFoundError) as error:
             if isinstance(error, tf.errors.NotFoundError) and not _record_file(error.message):
                 raise
@@ -305,9 +306,84 @@ def train_and_evaluate(
             raise memory_check.ran_out(config, found, limit, error, resume) from error
 
 
-def _train_and_evaluate(config, workdir, should_stop, lock, checked: dict) -> dict:
+def _config_change(config, workdir: str, accept: bool) -> dict:
+    """{field: (saved, new)} of what `config` changes of what the run in `workdir` trains;
+    {} for a new run (no checkpoint yet) or an unchanged one. A change stops here with
+    run_record's paragraph unless `accept`: before anything is written or compiled."""
+    step = checkpointing.latest_step(os.path.join(workdir, "checkpoints"))
+    saved = run_record.read_json(os.path.join(workdir, run_record.CONFIG))
+    if step is None or saved is None:
+        return {}
+    changed = run_record.math_changes(
+        saved, run_record.as_saved(config), lambda: _has_batch_norm(config)
+    )
+    if changed and not accept:
+        length_changed = any(key in changed for key in run_record.LENGTH)
+        finished = length_changed and step >= _saved_total_steps(config, saved)
+        raise run_record.refusal(workdir, changed, step, finished)
+    return changed
+
+
+def _has_batch_norm(config) -> bool:
+    """Whether the model of `config` keeps BatchNorm statistics (from its shapes alone)."""
+    model = setup.build_model(config, datasets.dataset_spec(config.dataset).num_classes)
+    return bool(models.abstract_variables(model, config.image_size).get("batch_stats"))
+
+
+def _saved_total_steps(config, saved: dict) -> int | float:
+    """The length of the run whose config.json is `saved` (its data read where `config`
+    reads it); infinite where it cannot be told (a config.json of an older version, its
+    dataset no longer prepared here), so that the run does not count as finished."""
+    saved = ml_collections.ConfigDict(saved)
+    saved.data_dir = config.data_dir
+    try:
+        return _schedule(saved, datasets.dataset_spec(saved.dataset)).total_steps
+    except (AttributeError, KeyError, ReportedError, tf.errors.OpError):
+        return float("inf")
+
+
+def _record_change(workdir: str, config, change: dict, step: int, logger) -> None:
+    """An accepted change of the settings (`_config_change`) into the workdir's history,
+    the log, metrics.jsonl and TensorBoard, as taking effect after `step`."""
+    saved = run_record.read_json(os.path.join(workdir, run_record.CONFIG))
+    path = run_record.record_change(workdir, saved, run_record.as_saved(config), change, step)
+    logging.warning(
+        f"Settings changed after step {step} ({run_record.ACCEPT_FLAG}): "
+        f"{run_record.describe(change)}; recorded in {path}"
+    )
+    logger.write_config_change(step, change)
+
+
+def _non_finite(config, workdir: str, error) -> metrics_lib.NonFiniteLossError:
+    """The non-finite step's paragraph with what is true of the workdir (no checkpoint
+    yet, or the last one) and, when the run's first step is the bad one, its initial weights."""
+    checkpoints = os.path.join(workdir, "checkpoints")
+    rerun = (
+        "rerunning starts the run again from step 0"
+        if checkpointing.latest_step(checkpoints) is None
+        else "rerunning resumes from that checkpoint"
+    )
+    if error.step == 1:
+        initial = (
+            f"the weights of config.init_from={config.init_from}"
+            if config.init_from
+            else "the freshly initialised weights (the model's settings)"
+        )
+        advice = (
+            f"The run's first step is the bad one, so suspect its initial weights, {initial}, "
+            "as well as the learning rate (config.optimizer.lr) and the data"
+        )
+    else:
+        advice = "Lower the learning rate (config.optimizer.lr), or check the data"
+    return metrics_lib.NonFiniteLossError(
+        f"{error} {_resume_point(checkpoints)}. {advice}; {rerun}.", step=error.step
+    )
+
+
+def _train_and_evaluate(config, workdir, should_stop, lock, checked: dict, change: dict) -> dict:
     """train_and_evaluate in a locked, existing `workdir`; `checked` receives the step's
-    memory footprint and limit (`_compiled_ahead`)."""
+    memory footprint and limit (`_compiled_ahead`); `change` is the accepted change of
+    settings to record (`_config_change`)."""
     spec = datasets.dataset_spec(config.dataset)
     model = setup.build_model(config, spec.num_classes)
     setup.check_model_fits(config, model)
@@ -318,7 +394,7 @@ def _train_and_evaluate(config, workdir, should_stop, lock, checked: dict) -> di
         os.path.join(workdir, "checkpoints"), max_to_keep=config.keep_checkpoints
     )
     memory = None
-    if (_latest_step(ckpt.directory) or 0) < schedule.total_steps:
+    if (checkpointing.latest_step(ckpt.directory) or 0) < schedule.total_steps:
         # Before the state exists: a step that cannot fit stops before anything is allocated.
         memory = _compiled_ahead(config, parts, mesh, checked)
     state = parts.init(jax.random.PRNGKey(config.seed))
@@ -330,11 +406,13 @@ def _train_and_evaluate(config, workdir, should_stop, lock, checked: dict) -> di
     if memory is None:  # the finished run's last checkpoint was unreadable and set aside
         memory = _compiled_ahead(config, parts, mesh, checked, state)
     memory.release()  # what compiling the state's initialiser left
-    if jax.process_index() == 0:
-        checkpointing.write_json(os.path.join(workdir, "config.json"), config.to_dict())
-    best = BestKeeper(workdir, config, meta) if config.keep_best else None
     # Records of steps after the restored checkpoint (the killed run's) are dropped.
     logger = metrics_lib.MetricsLogger(workdir, schedule.total_steps, config.batch_size, start_step)
+    if change and jax.process_index() == 0:
+        _record_change(workdir, config, change, start_step, logger)
+    if jax.process_index() == 0:
+        checkpointing.write_json(os.path.join(workdir, run_record.CONFIG), config.to_dict())
+    best = BestKeeper(workdir, config, meta) if config.keep_best else None
     _log_start(config, logger, state, schedule.total_steps)
     run = _Run(
         config=config,
@@ -435,7 +513,11 @@ def _restore_or_initialize(config, state, ckpt, meta: dict, mesh, schedule: _Sch
 def _log_start(config, logger, state, total_steps: int) -> None:
     """The config as hyperparameters of the run's records, and one line about the run."""
     logger.write_hparams(
-        {k: v for k, v in _flat(config.to_dict()).items() if isinstance(v, (int, float, str, bool))}
+        {
+            k: v
+            for k, v in run_record.flatten(config.to_dict()).items()
+            if isinstance(v, (int, float, str, bool))
+        }
     )
     num_params = int(parameter_overview.count_parameters(state.params))
     logging.info(
@@ -691,13 +773,3 @@ def _is_steady(step: int, *, first: int, last: int, every: tuple[int, ...]) -> b
     checkpoint step, so no host<->device sync and no collective across hosts (a stop
     request is agreed at the next log step on multi-host runs)."""
     return step not in (first, last) and all(step % n for n in every)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

@@ -16,10 +16,16 @@ import numpy as np
 import tensorflow as tf
 
 from rspc_jax import ReportedError
+from rspc_jax.interop import run_record
 
 
 class NonFiniteLossError(ReportedError, FloatingPointError):
-    """A step produced a non-finite loss, gradient or parameter; nothing of it was saved."""
+    """A step produced a non-finite loss, gradient or parameter; nothing of it was saved.
+    `step` is the bad step's number (the training loop adds what is true of the workdir)."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
@@ -34,9 +40,8 @@ def mean_and_check(step_metrics: list[dict], first_step: int) -> dict:
             raise NonFiniteLossError(
                 f"step {step} was not finite (loss {loss:.4g}, gradient norm "
                 f"{float(metrics['grad_norm']):.4g}); training stopped before saving anything "
-                f"of step {step} or later, so the last checkpoint holds finite parameters. Lower "
-                "the learning rate (config.optimizer.lr), or check the data; rerunning resumes "
-                "from the last checkpoint."
+                f"of step {step} or later.",
+                step=step,
             )
     means = {k: np.mean([m[k] for m in fetched], axis=0) for k in fetched[0] if k != "nonfinite"}
     return {k: float(v) if v.ndim == 0 else v.tolist() for k, v in means.items()}
@@ -161,6 +166,16 @@ class MetricsLogger:
             else:
                 parts.append(f"{name} {value:.4g}")
         return " | ".join(parts)
+
+    def write_config_change(self, step: int, changed: dict) -> None:
+        """An accepted change of the run's settings ({field: (old, new)}) as a row of
+        metrics.jsonl ('config_change') and a text summary in TensorBoard."""
+        if not self.enabled:
+            return
+        self._writer.write_texts(step, {"config_change": run_record.describe(changed)})
+        row = {"step": step, "config_change": {k: list(v) for k, v in changed.items()}}
+        with tf.io.gfile.GFile(self.jsonl_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     def write_hparams(self, hparams: dict) -> None:
         if self.enabled:
