@@ -3,6 +3,9 @@
 #
 #   export PROJECT=my-project ZONE=europe-west4-a TPU_NAME=rspc BUCKET=my-bucket
 #   ACCELERATOR=v3-32 launch/tpu_vm.sh create        # SPOT=1: spot capacity; QUEUED=1: queued resource
+#   ACCELERATOR=v5litepod-256 launch/tpu_vm.sh create --config=configs/rvt_b.py
+#                                                    # compiles the config for the slice first, here
+#                                                    # (python -m rspc_jax.preflight; PREFLIGHT=0 skips)
 #   launch/tpu_vm.sh setup                           # copy this checkout to every worker, install jax[tpu]
 #   launch/tpu_vm.sh train --config=configs/rvt_b.py # all workers, in the background, logs to ~/rspc_train.log
 #   launch/tpu_vm.sh logs                            # stream worker 0's log (Ctrl-C stops watching only)
@@ -48,8 +51,22 @@ runtime_for() {  # the TPU VM software version each generation boots with
   esac
 }
 
+preflight() {  # the config's steps compiled for the slice by the TPU compiler, on this host
+  local config=() arg
+  for arg in "$@"; do [[ "$arg" == --config* ]] && config+=("$arg"); done
+  if [[ ${#config[@]} == 0 || "${PREFLIGHT:-1}" == 0 ]]; then return 0; fi
+  local slice="${ACCELERATOR/v5litepod-/v5e-}"
+  case "$slice" in
+    v4-*|v5e-*|v5p-*|v6e-*) ;;
+    *) echo "launch/tpu_vm.sh: no pre-flight for $ACCELERATOR (the TPU compiler here knows v4, v5e, v5p, v6e)" >&2; return 0 ;;
+  esac
+  run python -m rspc_jax.preflight "${config[@]}" --slice="$slice" \
+    || die "the pre-flight says ${config[*]} does not fit $ACCELERATOR (above); fix the config, or PREFLIGHT=0 to create it anyway"
+}
+
 create() {
   need ACCELERATOR "the accelerator type, e.g. ACCELERATOR=v3-8, or v3-32 for a pod slice"
+  preflight "$@"
   local runtime="${RUNTIME:-$(runtime_for "$ACCELERATOR")}"
   local capacity=()
   [[ "${SPOT:-0}" == 1 ]] && capacity+=(--spot)
@@ -66,7 +83,7 @@ setup() {
   run "${TPU[@]}" scp --recurse "$(git rev-parse --show-toplevel)" "$TPU_NAME:~/$REMOTE_DIR" \
     "${WHERE[@]}" --worker=all
   run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=all --command \
-    "python3 -m venv $VENV && . $VENV/bin/activate && pip install -q -r $REMOTE_DIR/requirements.txt && pip install -q 'jax[tpu]==0.10.2'"
+    "python3 -m venv $VENV && . $VENV/bin/activate && pip install -q -r $REMOTE_DIR/requirements.txt -r $REMOTE_DIR/requirements-tpu.txt"
 }
 
 train() {
@@ -85,7 +102,7 @@ train() {
 }
 
 case "$COMMAND" in
-  create) create ;;
+  create) create "$@" ;;
   setup) setup ;;
   train) train "$@" ;;
   logs) run "${TPU[@]}" ssh "$TPU_NAME" "${WHERE[@]}" --worker=0 --command "tail -n 100 -F $LOG" ;;

@@ -5,10 +5,16 @@ run before renting the slice.
     python -m rspc_jax.plan --config=configs/rvt_s.py --config.compute_dtype=bfloat16
     python -m rspc_jax.plan --config=configs/rvt_ti.py --variants=rspc --slices=v3-8,v4-8
 
-It runs no step: for each variant, with remat off and on, it compiles the step at a few
-micro-batches (XLA's memory analysis, compiled by XLA:CPU on this machine, a few compiles
-each) and keeps the largest that fits `--headroom` of a device's memory
-(rspc_jax.tools.memory_plan says what the estimate is and is not).
+It runs no step: for each variant it compiles the step at a few micro-batches and keeps the
+largest that fits `--headroom` of a device's memory. TPU slices (v4-8 ... v4-128, v5e-8 ...
+v5e-256, v5p-8 ..., v6e-8 ...) are compiled by the TPU compiler where libtpu is installed
+(requirements-tpu.txt; no TPU needed) for the slice's real topology, with the config's
+sharding over every chip and its remat: the TPU's own per-chip figure, minutes per compile on
+a CPU. GPUs, v3 and hosts without libtpu get XLA:CPU's estimate on one device, remat off and
+on (rspc_jax.tools.memory_plan says what it is and is not). Each row names its compiler.
+
+    python -m rspc_jax.plan --config=configs/rvt_s.py --config.compute_dtype=bfloat16 \
+        --slices=v5e-8 --variants=rspc
 """
 
 import os
@@ -30,6 +36,13 @@ _SLICES = flags.DEFINE_string(
     "all",
     "Comma-separated slices (v3-8, v4-8, v5e-8, v5p-8, h100, a100-40, a100-80) or 'all'.",
 )
+_COMPILER = flags.DEFINE_enum(
+    "compiler",
+    "auto",
+    ["auto", "tpu", "xla_cpu"],
+    "Who measures TPU slices: 'auto' the TPU compiler where libtpu is installed, else XLA:CPU; "
+    "'tpu' the TPU compiler or an error; 'xla_cpu' XLA:CPU's estimate.",
+)
 _HEADROOM = flags.DEFINE_float(
     "headroom", 0.9, "The fraction of a device's memory the step may fill."
 )
@@ -37,7 +50,7 @@ _HEADROOM = flags.DEFINE_float(
 
 def main(argv):
     cli.start(argv)
-    from rspc_jax.tools import memory_plan
+    from rspc_jax.tools import memory_plan, tpu_compile
 
     config = _CONFIG.value
     if config is None:
@@ -46,10 +59,19 @@ def main(argv):
         config.batch_size = _BATCH.value
     variants = _VARIANTS.value.split(",")
     memory_plan.check_variants(variants)
-    memory_plan.resolve_slices(_SLICES.value)
-    # Before JAX starts its backend (memory_plan.XLA_FLAGS says why).
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {memory_plan.XLA_FLAGS}".strip()
-    memory_plan.print_plan(config, variants, _SLICES.value, _HEADROOM.value)
+    tpu, estimated = memory_plan.by_tpu_compiler(
+        memory_plan.resolve_slices(_SLICES.value), _COMPILER.value
+    )
+    # Before JAX starts its backend: the TPU compiler's environment, and XLA:CPU's flags
+    # (memory_plan.XLA_FLAGS says why) only where XLA:CPU estimates.
+    if tpu:
+        tpu_compile.prepare_environment()
+    if estimated:
+        flags_now = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags_now} {memory_plan.XLA_FLAGS}".strip()
+    memory_plan.print_plan(
+        config, variants, _SLICES.value, _HEADROOM.value, compiler=_COMPILER.value
+    )
 
 
 if __name__ == "__main__":

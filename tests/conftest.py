@@ -26,6 +26,13 @@ FAST_COMPILE = (
     " --xla_cpu_use_fusion_emitters=false"
 )
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE}".strip()
+# The test requirements install libtpu (the TPU compiler, tests/test_tpu_compile.py): every
+# test process runs on the CPU rather than starting libtpu as a backend, and the processes
+# share libtpu's compiler instead of taking its one lock per machine in turn.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 # Many tests (and their subprocesses) compile the same small programs again: one persistent
 # compilation cache for the whole run lets them load what another test compiled. With it, the
 # steps take jaxlib's default products on CPU, which the cache can store (`ops.compiler_options`);

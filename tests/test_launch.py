@@ -46,7 +46,7 @@ def test_dry_run_of_a_v3_32_pod_prints_the_gcloud_commands():
     setup = _launch("--dry-run", "setup", **POD).stdout.splitlines()
     assert setup[0].startswith("gcloud compute tpus tpu-vm scp --recurse ")
     assert f"rspc:\\~/rspc_jax {where} --worker=all" in setup[0]
-    assert "--worker=all" in setup[1] and "jax\\[tpu\\]==0.10.2" in setup[1]
+    assert "--worker=all" in setup[1] and "-r\\ rspc_jax/requirements-tpu.txt" in setup[1]
     train = _launch("--dry-run", "train", "--config=configs/rvt_b.py", **POD).stdout
     assert f"gcloud compute tpus tpu-vm ssh rspc {where} --worker=all --command" in train
     for part in (
@@ -176,3 +176,22 @@ def test_accelerator_benchmark_script_runs_only_the_named_rows_in_their_order(tm
     assert "--device cuda --autocast bfloat16" in timed[0]
     wrong = run(["bash", script, str(tmp_path / "x.log")], env={**env, "ONLY": "rvt_z"})
     assert wrong.returncode == 2 and "ONLY=rvt_z names none of the rows" in wrong.stderr
+
+
+def test_create_with_a_config_runs_the_preflight_first_unless_skipped_or_unknown():
+    pod = dict(POD, ACCELERATOR="v5litepod-256")
+    create = _launch("--dry-run", "create", "--config=configs/rvt_b.py", **pod)
+    assert create.returncode == 0, create.stderr
+    lines = create.stdout.splitlines()
+    assert lines[0].split() == [
+        "python",
+        "-m",
+        "rspc_jax.preflight",
+        "--config=configs/rvt_b.py",
+        "--slice=v5e-256",
+    ]
+    assert lines[1].startswith("gcloud compute tpus tpu-vm create rspc")
+    skipped = _launch("--dry-run", "create", "--config=configs/rvt_b.py", PREFLIGHT="0", **pod)
+    assert "rspc_jax.preflight" not in skipped.stdout
+    v3 = _launch("--dry-run", "create", "--config=configs/rvt_b.py", **POD)
+    assert "rspc_jax.preflight" not in v3.stdout and "no pre-flight for v3-32" in v3.stderr

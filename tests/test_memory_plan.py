@@ -149,11 +149,13 @@ def test_cli_prints_the_plan_without_tensorflow_and_refuses_an_unknown_slice():
     assert bad.returncode == 1 and "Traceback" not in message
     assert re.search(r"error: unknown slice 'tpu9'; .* v5e-8 \(8 x 16 GiB\)", message)
     result = run_module_without_tensorflow(
-        "rspc_jax.plan", [*args, "--variants=plain", "--slices=v4-8"], timeout=300
+        "rspc_jax.plan",
+        [*args, "--variants=plain", "--slices=v4-8", "--compiler=xla_cpu"],
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = re.findall(
-        r"^v4-8\s+4\s+32\s+plain\s+(off|on)\s+(\d+)\s+(\d+\.\d+)\s+16\s+(\d+)\s+(\d+)$",
+        r"^v4-8\s+4\s+32\s+plain\s+(off|on)\s+(\d+)\s+(\d+\.\d+)\s+16\s+(\d+)\s+(\d+) XLA:CPU$",
         result.stdout,
         re.M,
     )

@@ -20,7 +20,7 @@ is one of these kinds (a command of no kind fails the test, naming it):
 
 To keep the suite short the runs add these flags to README's text (and nothing else):
 SHORTER, `:smoke` for the study and plan's RVT-S (their full runs take 90 and 15+ minutes),
-and `--slices=v4-8` for plan.
+and `--slices=v4-8 --compiler=xla_cpu` for plan (XLA:CPU's estimate, the quicker search).
 """
 
 import dataclasses
@@ -215,8 +215,8 @@ def _shortened(text: str) -> str:
     module = text.split()[2]
     if module in ("rspc_jax.study", "rspc_jax.plan"):
         text = re.sub(r"(--config=configs/\w+\.py)(\s|$)", r"\1:smoke\2", text)
-    if module == "rspc_jax.plan":
-        text += " --slices=v4-8"
+    if module == "rspc_jax.plan":  # the TPU compiler's path: tests/test_tpu_compile.py
+        text += " --slices=v4-8 --compiler=xla_cpu"
     return " ".join([text, *SHORTER.get(module, [])])
 
 

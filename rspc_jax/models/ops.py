@@ -36,6 +36,8 @@ CHOICES = {
 }
 # The choices made by the innermost `implementations` blocks; unset ones are 'auto'.
 _chosen: dict[str, str] = {}
+# The backend 'auto' decides for: `for_backend`'s, else JAX's default backend.
+_target: list[str] = []
 
 
 def check_choices(choices: dict[str, str]) -> None:
@@ -66,14 +68,30 @@ def implementations(**choices: str) -> Iterator[None]:
         _chosen.update(previous)
 
 
+@contextlib.contextmanager
+def for_backend(platform: str) -> Iterator[None]:
+    """Traces the models and jits the steps in the block as for `platform` ('tpu', 'gpu',
+    'cpu') whatever backend this process runs: the forms and compiler options 'auto' picks
+    there, for compiling a TPU slice's step on a CPU host (`rspc_jax.tools.tpu_compile`)."""
+    _target.append(platform)
+    try:
+        yield
+    finally:
+        _target.pop()
+
+
+def _backend() -> str:
+    return _target[-1] if _target else jax.default_backend()
+
+
 def _on_cpu() -> bool:
-    return jax.default_backend() == "cpu"
+    return _backend() == "cpu"
 
 
 def _auto(name: str) -> bool:
     """Whether 'auto' picks the named choice's own form (not XLA's) on this backend."""
     if name == "attention":
-        return jax.default_backend() == "gpu"
+        return _backend() == "gpu"
     if name == "cpu_products":
         return False
     if name == "batched_gradient":
@@ -109,7 +127,7 @@ def fused_attention_kernel(dtype) -> str:
     (flash) kernel on GPUs, which takes 16-bit inputs only; XLA's elsewhere. jax.nn's own
     default (None) is XLA's on every backend, so it must be asked for by name."""
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if sixteen_bit and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if sixteen_bit and _backend() == "gpu" else "xla"
 
 
 def fused_attention(

@@ -2,7 +2,10 @@
 accumulation steps then reach the config's global batch on a slice (the library of
 `python -m rspc_jax.plan`): sizing a run for a TPU slice or GPU before renting it.
 
-The measure is XLA's memory analysis of the compiled train step (`compiled_bytes`):
+TPU slices are measured by the TPU compiler where libtpu is installed (`tpu_plan`,
+rspc_jax.tools.tpu_compile): the config's step for the slice's real topology, sharded over
+every chip, its figure the TPU's own. Elsewhere, and for GPUs and v3, the measure is XLA's
+memory analysis of the compiled train step (`compiled_bytes`):
 the step as training jits it, on a mesh of one device, lowered from abstract state so that
 nothing is allocated, with the accelerators' window ops (XLA's convolutions, not the CPU's
 im2col forms, whose gathered windows would inflate the estimate), XLA's own schedule, not
@@ -27,6 +30,7 @@ import numpy as np
 from rspc_jax import ConfigError, parallel
 from rspc_jax.data import specs as datasets
 from rspc_jax.models import ops
+from rspc_jax.tools import tpu_compile
 from rspc_jax.training import ablations, setup
 from rspc_jax.training.memory_check import compiled_bytes
 
@@ -66,19 +70,43 @@ MULTIPLE = 8
 MAX_COMPILES = 5  # secant guesses per memory budget after the first two batches
 
 
+def _known_slices() -> dict:
+    """SLICES and every TPU slice the TPU compiler knows (tpu_compile.SLICES)."""
+    tpus = {n: (t.chips, t.hbm) for n, t in tpu_compile.SLICES.items()}
+    return {**SLICES, **tpus}
+
+
 def resolve_slices(names: str) -> dict:
-    """{name: (devices, bytes per device)} of a comma-separated list ('all' = every slice)."""
+    """{name: (devices, bytes per device)} of a comma-separated list ('all' = SLICES and
+    v6e-8)."""
+    known = _known_slices()
     if names == "all":
-        return dict(SLICES)
+        return {n: known[n] for n in (*SLICES, "v6e-8")}
     chosen = [name.strip() for name in names.split(",") if name.strip()]
-    unknown = [name for name in chosen if name not in SLICES]
+    unknown = [name for name in chosen if name not in known]
     if unknown or not chosen:
-        known = ", ".join(f"{n} ({d} x {b // GiB} GiB)" for n, (d, b) in SLICES.items())
+        listed = ", ".join(f"{n} ({d} x {b // GiB} GiB)" for n, (d, b) in SLICES.items())
         raise ConfigError(
             f"unknown slice {', '.join(map(repr, unknown)) or 'list (empty)'}; pass "
-            f"--slices=all or a comma-separated list of the known slices: {known}"
+            f"--slices=all or a comma-separated list of the known slices: {listed}, and "
+            f"with the TPU compiler {', '.join(tpu_compile.SLICES)}"
         )
-    return {name: SLICES[name] for name in chosen}
+    return {name: known[name] for name in chosen}
+
+
+def by_tpu_compiler(slices: dict, compiler: str) -> tuple[dict, dict]:
+    """`slices` split into those the TPU compiler measures and those XLA:CPU estimates:
+    `compiler` 'auto' gives every TPU slice it knows to the TPU compiler where libtpu is
+    installed, 'tpu' insists on it, 'xla_cpu' estimates all."""
+    tpu = {n: v for n, v in slices.items() if n in tpu_compile.SLICES}
+    if compiler == "xla_cpu" or (compiler == "auto" and not tpu_compile.available()):
+        tpu = {}
+    elif compiler == "tpu" and not tpu_compile.available():
+        raise ConfigError(
+            "--compiler=tpu needs libtpu, the TPU compiler: pip install -r requirements-tpu.txt "
+            "(no TPU needed), or pass --compiler=xla_cpu for XLA:CPU's estimate"
+        )
+    return tpu, {n: v for n, v in slices.items() if n not in tpu}
 
 
 # The step variants besides the ablations of rspc_jax.training.ablations.
@@ -193,6 +221,7 @@ class Row(NamedTuple):
     remat: bool
     fit: Fit
     accumulation: tuple | None  # (micro-batch, grad_accum_steps)
+    compiler: str = "XLA:CPU"  # which compiler's memory analysis measured it
 
 
 def plan(config, variants, slices: dict, headroom: float, estimate=step_bytes) -> list[Row]:
@@ -213,6 +242,43 @@ def plan(config, variants, slices: dict, headroom: float, estimate=step_bytes) -
             steps = accumulation(config.batch_size, devices, fit.batch)
             rows.append(Row(name, devices, device_bytes, variant, remat, fit, steps))
     return rows
+
+
+def tpu_plan(config, variants, slices: dict, headroom: float) -> list[Row]:
+    """For every variant and TPU slice: the largest per-chip micro-batch whose step, compiled
+    by the TPU compiler for the slice's topology with the config's sharding, remat and dtype,
+    fits `headroom` of a chip's HBM (a program the compiler refuses does not fit, at its
+    figure), and the accumulation that reaches config.batch_size."""
+    rows, done = [], [0]
+    for variant in variants:
+        step_config = variant_config(config, variant)
+        step_config.grad_accum_steps = 1  # one micro-batch per compiled step
+        for name, (chips, hbm) in slices.items():
+            fit = largest_batch(
+                functools.partial(_tpu_trial, step_config, name, headroom, variant, done),
+                headroom * hbm,
+                {},
+            )
+            steps = accumulation(config.batch_size, chips, fit.batch)
+            rows.append(Row(name, chips, hbm, variant, config.remat, fit, steps, "TPU"))
+    return rows
+
+
+def _tpu_trial(config, name: str, headroom: float, variant: str, done: list, batch: int) -> int:
+    """One TPU compile of the search, logged (a full-size step takes minutes on a CPU)."""
+    result = tpu_compile.train_step(config, name, batch, headroom)
+    done[0] += 1
+    logging.info(
+        "TPU compile %d: %s, %s step, %d per chip: %.2f GiB per chip, %s (%.0f s)",
+        done[0],
+        name,
+        variant,
+        batch,
+        result.bytes / GiB,
+        "fits" if result.fits else "does not fit",
+        result.seconds,
+    )
+    return result.bytes if (result.fits or result.bytes) else 2**62
 
 
 class _Progress:
@@ -253,24 +319,38 @@ class _Progress:
 
 
 def print_plan(
-    config, variants, slice_names: str = "all", headroom: float = 0.9, estimate=step_bytes
+    config,
+    variants,
+    slice_names: str = "all",
+    headroom: float = 0.9,
+    estimate=step_bytes,
+    compiler: str = "auto",
 ):
-    """Checks the slices, headroom and config before compiling, plans and prints the table."""
+    """Checks the slices, headroom and config before compiling, plans (TPU slices by the TPU
+    compiler where `by_tpu_compiler` says so) and prints the table."""
     slices = resolve_slices(slice_names)
     if not 0 < headroom <= 1:
         raise ConfigError(
             f"--headroom={headroom} must be in (0, 1]: the fraction of a device's memory to fill"
         )
     setup.validate_config(config)
-    rows = plan(config, variants, slices, headroom, estimate)
+    tpu, estimated = by_tpu_compiler(slices, compiler)
+    rows = tpu_plan(config, variants, tpu, headroom) if tpu else []
+    if estimated:
+        rows += plan(config, variants, estimated, headroom, estimate)
+    _print_rows(config, rows, headroom)
+    return rows
+
+
+def _print_rows(config, rows: list[Row], headroom: float) -> None:
     print(
         f"model {config.model_name}, compute dtype {config.compute_dtype}, {config.image_size} px, "
-        f"global batch {config.batch_size}; budget {headroom:g} of a device's memory; "
-        "XLA's memory estimate of one device's step, compiled by XLA:CPU"
+        f"global batch {config.batch_size}, sharding {config.sharding}; budget {headroom:g} of a "
+        "device's memory; GiB: the memory of one device's step by the compiler named in the row"
     )
     print(
         f"{'slice':<8} {'devices':>7} {'GiB/dev':>7} {'step':<10} {'remat':<5} {'max micro':>9} "
-        f"{'XLA GiB':>8} {'per-device':>10} {'micro':>6} {'grad_accum_steps':>16}"
+        f"{'GiB':>8} {'per-device':>10} {'micro':>6} {'grad_accum_steps':>16} compiler"
     )
     for r in rows:
         largest = (
@@ -281,20 +361,22 @@ def print_plan(
         print(
             f"{r.slice:<8} {r.devices:>7} {r.device_bytes / GiB:>7.0f} {r.variant:<10} "
             f"{'on' if r.remat else 'off':<5} {largest:>9} {r.fit.bytes / GiB:>8.2f} "
-            f"{per_device:>10} {micro:>6} {steps:>16}"
+            f"{per_device:>10} {micro:>6} {steps:>16} {r.compiler}"
         )
     print(
-        f"max micro: the largest multiple of {MULTIPLE} that fits (<{MULTIPLE}: none; its XLA GiB is "
-        f"then the estimate at {MULTIPLE}); micro: the largest divisor of the per-device batch up "
-        "to it, run grad_accum_steps times per step. Estimates: the TPU/GPU compilers lay out, fuse "
-        "and schedule differently from this one, hence the headroom; with grad_accum_steps > 1 "
-        "the step also holds a float32 gradient sum the size of the parameters."
+        f"max micro: the largest multiple of {MULTIPLE} that fits (<{MULTIPLE}: none; its GiB is "
+        f"then the figure at {MULTIPLE}); micro: the largest divisor of the per-device batch up "
+        "to it, run grad_accum_steps times per step; with grad_accum_steps > 1 the step also "
+        "holds a float32 gradient sum the size of the parameters. TPU: the TPU compiler's own "
+        "memory analysis for the slice's topology, the config's sharding over every chip and "
+        "its remat (a program it refuses does not fit). XLA:CPU: an estimate on one device "
+        "with remat off and on; the TPU/GPU compilers lay out, fuse and schedule otherwise, "
+        "hence the headroom."
     )
     if any(not r.fit.proven for r in rows):
         print("*: the compile limit was reached before the next multiple was shown not to fit.")
-    if config.sharding != "replicated":
+    if config.sharding != "replicated" and any(r.compiler == "XLA:CPU" for r in rows):
         print(
-            f"config.sharding={config.sharding}: compiled on one device, so a sharded state is "
-            "counted whole (an upper bound when the slice shards it)."
+            f"config.sharding={config.sharding}: XLA:CPU rows compile on one device, so a sharded "
+            "state is counted whole (an upper bound when the slice shards it)."
         )
-    return rows

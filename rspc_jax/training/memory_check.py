@@ -269,14 +269,16 @@ def _run_words(config, found: Footprint) -> str:
     )
 
 
-def fixes(config, found: Footprint, step_limit: Limit | None) -> str:
+def fixes(config, found: Footprint, step_limit: Limit | None, devices: int = 0) -> str:
     """The fixes, cheapest first: accumulation (with the micro-batch it keeps and its
-    estimate), FSDP over several devices, remat, a smaller batch, and the planner's command."""
+    estimate), FSDP over the `devices` (default: this process's), remat, a smaller batch, and
+    the planner's command."""
+    devices = devices or jax.device_count()
     steps = [_accumulation(config, found, step_limit)]
-    if jax.device_count() > 1 and config.sharding != "fsdp":
+    if devices > 1 and config.sharding != "fsdp":
         steps.append(
             f"--config.sharding=fsdp shards the parameters and optimizer state over the "
-            f"{jax.device_count()} devices"
+            f"{devices} devices"
         )
     model = models.from_config(config, num_classes=1)
     if not config.remat and models.has_field(model, "remat"):

@@ -1,0 +1,86 @@
+"""The TPU compiler on a CPU host (rspc_jax.tools.tpu_compile, libtpu from the test
+requirements, no TPU): the RSPC step compiles for single- and multi-host TPU topologies,
+data parallel and FSDP with gradient accumulation; a step it refuses is a "does not fit"
+with its figure; the planner's micro-batch fits and the next multiple does not, by the TPU
+compiler. All at the demo's smoke model (a full-size step takes minutes)."""
+
+import re
+
+import pytest
+
+from rspc_jax.tools import memory_plan, tpu_compile
+from tests.conftest import run_python, smoke_config
+
+pytestmark = pytest.mark.skipif(
+    not tpu_compile.available(),
+    reason="libtpu is not installed (pip install -r requirements-tpu.txt)",
+)
+
+
+def test_slice_names_map_to_their_topologies():
+    assert tpu_compile.SLICES["v4-8"] == tpu_compile.TpuSlice("v4:2x2x1", 4, 1, 32 * 2**30)
+    assert tpu_compile.SLICES["v4-128"].chips == 64
+    assert tpu_compile.SLICES["v5e-8"] == tpu_compile.TpuSlice("v5e:2x4", 8, 1, 16 * 2**30)
+    assert tpu_compile.SLICES["v5e-256"] == tpu_compile.TpuSlice("v5e:16x16", 256, 64, 16 * 2**30)
+    assert tpu_compile.SLICES["v5p-8"].hbm == 95 * 2**30
+    mesh = tpu_compile.mesh("v5e-16")
+    assert mesh.devices.size == 16
+    assert len({d.process_index for d in mesh.devices.flat}) == 4  # a multi-host slice
+
+
+def test_rspc_step_compiles_data_parallel_and_fsdp_with_accumulation_single_and_multi_host(
+    tmp_path,
+):
+    config = smoke_config(str(tmp_path), grad_accum_steps=2)
+    assert config.rspc.enabled
+    single = tpu_compile.train_step(config, "v4-8", 8)
+    config.sharding = "fsdp"
+    multi = tpu_compile.train_step(config, "v5e-16", 8)
+    for result in (single, multi):
+        assert result.fits and not result.refusal
+        assert 0 < result.bytes < 0.9 * 16 * 2**30
+        assert result.analysis.temp_size_in_bytes > 0
+
+    # FSDP gathers each sharded parameter before use; data parallel only sums gradients.
+    def ops(result, name):  # instructions (not backend configs) of that collective
+        return len(re.findall(rf"\s{name}(-start)?\(", result.executable.as_text()))
+
+    assert ops(multi, "all-gather") > 0 and ops(single, "all-gather") == 0
+    assert ops(single, "all-reduce") > 0
+
+
+def test_a_step_the_tpu_compiler_refuses_does_not_fit_with_its_figure_and_the_fixes(tmp_path):
+    # 32768 images per chip of the smoke model: over a v5e chip's 16 GiB.
+    result = run_python(
+        [
+            "-m",
+            "rspc_jax.preflight",
+            "--config=configs/demo.py:smoke",
+            "--slice=v5e-8",
+            f"--config.batch_size={8 * 32768}",
+            f"--config.data_dir={tmp_path}",
+        ],
+        timeout=900,
+    )
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 1, result.stderr[-3000:]
+    needed = re.search(r"train step: DOES NOT FIT, 32768 images per chip .*?: ([\d.]+) GiB", out)
+    assert needed and float(needed.group(1)) > 15, out
+    assert "RESOURCE_EXHAUSTED" in out and "TPU compiler" in out
+    assert re.search(r"eval step: fits, \d+ images per chip", out), out
+    assert "--config.grad_accum_steps=" in out and "Traceback" not in result.stderr
+
+
+def test_the_planner_s_micro_batch_fits_and_the_next_multiple_does_not(tmp_path):
+    config = smoke_config(str(tmp_path), batch_size=8 * 64)
+    headroom = 0.0015  # a 24.6 MiB budget puts the smoke model's limit at a few dozen images
+    rows = memory_plan.tpu_plan(config, ["plain"], {"v5e-8": (8, 16 * 2**30)}, headroom)
+    (row,) = rows
+    assert row.compiler == "TPU" and row.fit.proven and row.fit.batch >= 8
+    budget = headroom * 16 * 2**30
+    assert row.fit.bytes <= budget
+    plain = memory_plan.variant_config(config, "plain")
+    above = tpu_compile.train_step(plain, "v5e-8", row.fit.batch + memory_plan.MULTIPLE, headroom)
+    assert not above.fits and above.bytes > budget
+    micro, steps = row.accumulation
+    assert 8 * micro * steps == 8 * 64 and micro <= row.fit.batch
