@@ -39,9 +39,8 @@ _TIMEOUT = flags.DEFINE_integer("timeout", 600, "Seconds before a run counts as 
 _CHILD = flags.DEFINE_bool("child", False, "Internal: run the release loop in this process.")
 
 ABORT_CODES = (134, -6)
-# README's CPU commands, shortened by tests/test_readme.py's flags; {workdir} is the demo's,
-# {scratch} a fresh folder per run.
-_ANALYSIS = "--config.analysis.num_examples=16 --config.analysis.lesion_samples=2"
+# README's CPU commands (evaluate shortened by tests/test_readme.py's flags, its full run
+# takes many minutes); {workdir} is the demo's, {scratch} a fresh folder per run.
 README_COMMANDS = {
     "train": "rspc_jax.main --config=configs/demo.py --workdir={scratch}/train "
     "--config.total_steps=8",
@@ -50,11 +49,14 @@ README_COMMANDS = {
     "--config.evaluation.severities='(1,)' --config.evaluation.occlusion_masks=4 "
     "--out={scratch}/eval",
     "analyze": "rspc_jax.analyze --config=configs/demo.py --workdir={workdir} "
-    f"--analysis=layer_correlation {_ANALYSIS} --out={{scratch}}/analysis",
+    "--analysis=layer_correlation --out={scratch}/analysis",
     "export": "rspc_jax.export --workdir={workdir} --out={scratch}/demo_vit.safetensors",
-    "study part": "rspc_jax.study --config=configs/demo_study.py:smoke "
+    "study": "rspc_jax.study --config=configs/demo_study.py:smoke "
     "--workdir={scratch}/study --seeds=0",
 }
+_COMMANDS = flags.DEFINE_list(
+    "commands", list(README_COMMANDS), f"'readme': which of {', '.join(README_COMMANDS)}."
+)
 
 
 def release_in_flight(iterations: int) -> None:
@@ -96,7 +98,10 @@ def _commands() -> dict[str, list[str]]:
             f"--workdir={workdir} holds no finished run: train the demo first "
             f"(python -m rspc_jax.main --config=configs/demo.py --workdir={workdir})"
         )
-    return {name: ["-m", *text.split()] for name, text in README_COMMANDS.items()}
+    unknown = set(_COMMANDS.value) - set(README_COMMANDS)
+    if unknown:
+        raise app.UsageError(f"unknown --commands {sorted(unknown)}: name {list(README_COMMANDS)}")
+    return {name: ["-m", *README_COMMANDS[name].split()] for name in _COMMANDS.value}
 
 
 def _run(args: list[str], workdir: str) -> int | str:

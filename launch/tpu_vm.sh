@@ -5,7 +5,7 @@
 #   ACCELERATOR=v3-32 launch/tpu_vm.sh create        # SPOT=1: spot capacity; QUEUED=1: queued resource
 #   ACCELERATOR=v5litepod-256 launch/tpu_vm.sh create --config=configs/rvt_b.py
 #                                                    # compiles the config for the slice first, here
-#                                                    # (python -m rspc_jax.preflight; PREFLIGHT=0 skips)
+#                                                    # (python -m rspc_jax.plan --preflight; PREFLIGHT=0 skips)
 #   launch/tpu_vm.sh setup                           # copy this checkout to every worker, install jax[tpu]
 #   launch/tpu_vm.sh train --config=configs/rvt_b.py # all workers, in the background, logs to ~/rspc_train.log
 #   launch/tpu_vm.sh logs                            # stream worker 0's log (Ctrl-C stops watching only)
@@ -60,7 +60,7 @@ preflight() {  # the config's steps compiled for the slice by the TPU compiler, 
     v4-*|v5e-*|v5p-*|v6e-*) ;;
     *) echo "launch/tpu_vm.sh: no pre-flight for $ACCELERATOR (the TPU compiler here knows v4, v5e, v5p, v6e)" >&2; return 0 ;;
   esac
-  run python -m rspc_jax.preflight "${config[@]}" --slice="$slice" \
+  run python -m rspc_jax.plan "${config[@]}" --preflight="$slice" \
     || die "the pre-flight says ${config[*]} does not fit $ACCELERATOR (above); fix the config, or PREFLIGHT=0 to create it anyway"
 }
 

@@ -15,6 +15,14 @@ on (rspc_jax.tools.memory_plan says what it is and is not). Each row names its c
 
     python -m rspc_jax.plan --config=configs/rvt_s.py --config.compute_dtype=bfloat16 \
         --slices=v5e-8 --variants=rspc
+
+`--preflight=SLICE` instead checks the config as it stands for the TPU slice you are about to
+rent: its exact train step (its batch over every chip, sharding, grad_accum_steps, remat,
+dtype) and evaluation step, compiled by the TPU compiler for the slice's topology; fits / does
+not fit per chip with the figures, and the memory check's fixes for a step that does not fit.
+Exit 0 when both fit, 1 when not. launch/tpu_vm.sh runs it before it creates a slice.
+
+    python -m rspc_jax.plan --config=configs/rvt_b.py --preflight=v5e-256
 """
 
 import os
@@ -43,6 +51,9 @@ _COMPILER = flags.DEFINE_enum(
     "Who measures TPU slices: 'auto' the TPU compiler where libtpu is installed, else XLA:CPU; "
     "'tpu' the TPU compiler or an error; 'xla_cpu' XLA:CPU's estimate.",
 )
+_PREFLIGHT = flags.DEFINE_string(
+    "preflight", None, "A TPU slice (e.g. v5e-256): check the config as it stands for it."
+)
 _HEADROOM = flags.DEFINE_float(
     "headroom", 0.9, "The fraction of a device's memory the step may fill."
 )
@@ -57,6 +68,8 @@ def main(argv):
         raise app.UsageError("pass --config=configs/<file>.py[:variant]")
     if _BATCH.value:
         config.batch_size = _BATCH.value
+    if _PREFLIGHT.value:
+        return _preflight(config, _PREFLIGHT.value)
     variants = _VARIANTS.value.split(",")
     memory_plan.check_variants(variants)
     tpu, estimated = memory_plan.by_tpu_compiler(
@@ -72,6 +85,21 @@ def main(argv):
     memory_plan.print_plan(
         config, variants, _SLICES.value, _HEADROOM.value, compiler=_COMPILER.value
     )
+
+
+def _preflight(config, name: str):
+    from rspc_jax import ReportedError
+    from rspc_jax.tools import preflight_report, tpu_compile
+
+    tpu = tpu_compile.check_slice(name)
+    if not tpu_compile.available():
+        raise ReportedError(
+            "--preflight needs libtpu, the TPU compiler (no TPU): pip install -r "
+            "requirements-tpu.txt"
+        )
+    tpu_compile.prepare_environment()
+    if not preflight_report.run(config, name, tpu, _HEADROOM.value):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

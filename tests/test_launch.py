@@ -186,12 +186,12 @@ def test_create_with_a_config_runs_the_preflight_first_unless_skipped_or_unknown
     assert lines[0].split() == [
         "python",
         "-m",
-        "rspc_jax.preflight",
+        "rspc_jax.plan",
         "--config=configs/rvt_b.py",
-        "--slice=v5e-256",
+        "--preflight=v5e-256",
     ]
     assert lines[1].startswith("gcloud compute tpus tpu-vm create rspc")
     skipped = _launch("--dry-run", "create", "--config=configs/rvt_b.py", PREFLIGHT="0", **pod)
-    assert "rspc_jax.preflight" not in skipped.stdout
+    assert "--preflight" not in skipped.stdout
     v3 = _launch("--dry-run", "create", "--config=configs/rvt_b.py", **POD)
-    assert "rspc_jax.preflight" not in v3.stdout and "no pre-flight for v3-32" in v3.stderr
+    assert "--preflight" not in v3.stdout and "no pre-flight for v3-32" in v3.stderr

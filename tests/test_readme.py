@@ -148,11 +148,12 @@ def kind(command: Command) -> str:
 def _needs_what_ci_lacks(text: str) -> bool:
     """A bucket, a released checkpoint, a config's ImageNet/CIFAR data (its `:smoke` variant
     trains on the digits), or a workdir that only such a run makes. The planner compiles
-    without data, so it runs."""
+    without data, so it runs; its pre-flight of a full-size config for a pod slice is parsed
+    (tests/test_tpu_compile.py runs the pre-flight at the smoke size)."""
     if "gs://" in text or "/data/" in text:
         return True
     if text.startswith("python -m rspc_jax.plan "):
-        return False
+        return "--preflight" in text
     config = re.search(r"--config=configs/(\w+)\.py(:\w+)?", text)
     if config:
         return config.group(1) not in DIGITS_CONFIGS and config.group(2) != ":smoke"

@@ -1,4 +1,4 @@
-"""What `python -m rspc_jax.preflight` prints: the config's train and evaluation steps
+"""What `python -m rspc_jax.plan --preflight=SLICE` prints: the config's train and evaluation steps
 compiled by the TPU compiler for one slice, fits / does not fit per chip, and the memory
 check's fixes for a step that does not fit."""
 

@@ -2,7 +2,7 @@
 on any host: libtpu (the `jax[tpu]` extra, requirements-tpu.txt) compiles for a TPU topology
 without owning one (`jax.experimental.topologies`), and its executable's memory analysis is
 the TPU's own figure per chip, allocating nothing. `python -m rspc_jax.plan` sizes
-micro-batches with it and `python -m rspc_jax.preflight` checks a config for the slice it is
+micro-batches with it and `python -m rspc_jax.plan --preflight=SLICE` checks a config for the slice it is
 about to rent.
 
 The step is the one training runs: the models traced as for TPUs (`ops.for_backend`), the
@@ -138,21 +138,33 @@ def _compile(lower, budget: float) -> Compiled:
     return Compiled(size <= budget, size, seconds, "", compiled.memory_analysis(), compiled)
 
 
+# (slice, per-chip batch, the config as JSON) -> Compiled: a search and a later check of the
+# same step (the planner's, a test's) share each compile, which takes minutes at full size.
+_TRAIN_STEPS: dict = {}
+
+
 def train_step(config, name: str, per_chip_batch: int, headroom: float = 0.9) -> Compiled:
     """The config's train step (its sharding, remat, dtype, grad_accum_steps) for slice
-    `name` at `per_chip_batch` images per chip, compiled by the TPU compiler."""
+    `name` at `per_chip_batch` images per chip, compiled by the TPU compiler (once per
+    process for the same step and batch; `fits` is judged against this `headroom`)."""
     tpu = check_slice(name)
     config = config.copy_and_resolve_references()
     config.batch_size = per_chip_batch * tpu.chips
+    key = (name, per_chip_batch, config.to_json(sort_keys=True))
+    if key not in _TRAIN_STEPS:
+        _TRAIN_STEPS[key] = _compile_train_step(config, name)
+    found = _TRAIN_STEPS[key]
+    return found._replace(fits=not found.refusal and found.bytes <= headroom * tpu.hbm)
+
+
+def _compile_train_step(config, name: str) -> Compiled:
     the_mesh = mesh(name)
     spec = datasets.dataset_spec(config.dataset)
     with ops.for_backend("tpu"):
         model = setup.build_model(config, spec.num_classes)
         parts = setup.build(config, model, spec, the_mesh, steps_per_epoch=1000, total_steps=1000)
         batch = setup.abstract_batch(the_mesh, config.batch_size, config)
-        return _compile(
-            lambda: parts.train_step.lower(parts.state_shapes, batch), headroom * tpu.hbm
-        )
+        return _compile(lambda: parts.train_step.lower(parts.state_shapes, batch), float("inf"))
 
 
 def eval_step(config, name: str, per_chip_batch: int, headroom: float = 0.9) -> Compiled:
