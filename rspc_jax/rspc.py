@@ -28,9 +28,11 @@ official C gradient is that of the GradScaler-scaled loss (S = 2**16 at the star
 training), which the `grad_scale` of the STE emulates.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rspc_jax import ConfigError
 from rspc_jax.models import layers
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -164,6 +167,14 @@ def sampled_keep_mask(
     count = num_occluded(scores.shape[1], rho)
     kth_lowest = -jax.lax.top_k(-perturbed, count)[0][:, -1:]
     return (perturbed > kth_lowest).astype(scores.dtype)
+
+
+def object_patches(pixels, patch_size: int, threshold: float) -> jax.Array:
+    """(B, N) True where a patch of `pixels` (B, H, W, C in [0, 1]) holds part of the object:
+    a pixel above the dataset's `threshold` (specs.DatasetSpec.object_threshold)."""
+    b, h, w, c = pixels.shape
+    grid = pixels.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
+    return (grid.max(axis=(2, 4, 5)) > threshold).reshape(b, -1)
 
 
 def object_first_scores(random_scores: jax.Array, on_object: jax.Array) -> jax.Array:
@@ -355,10 +366,13 @@ def corrupt_batch(
     mask_probe=None,
     sampling=None,
     mixing=None,
+    patch_size=None,
 ):
     """Builds x_hat = C-selected occlusion of `images`; returns (x_hat, keep-mask (B, N)).
 
-    `random_scores` replaces C's scores (the random-selection ablation, Table 3).
+    `random_scores` replaces C's scores (the random-selection ablation, Table 3, and every
+    selection of SELECTIONS that is not C's); with `corruption_model` None (a selection that
+    builds no C) they are the only scores, and `patch_size` (else C's) sizes the patches.
     `mask_probe` (zeros (B, N)) is added to the mask so that its gradient exposes the
     gradient reaching the STE (for the saturation diagnostics).
     `sampling` (gumbel draws (B, N), temperature) selects by `sampled_keep_mask` instead of
@@ -367,9 +381,10 @@ def corrupt_batch(
     part of C's mask at random (`mixed_keep_mask`); C's gradient then comes only from the
     images whose mask it had a say in.
     """
-    scores = corruption_model.apply({"params": corruption_params}, images)
     if random_scores is not None:
         scores = random_scores
+    else:
+        scores = corruption_model.apply({"params": corruption_params}, images)
     fixed = jax.lax.stop_gradient(scores)
     if sampling is None:
         hard = keep_mask(fixed, rho)
@@ -382,7 +397,7 @@ def corrupt_batch(
     if mask_probe is not None:
         mask = mask + mask_probe
     corrupted = occlude_with_patch_mask(
-        images, mask, noise, corruption_model.patch_size, lower, upper
+        images, mask, noise, patch_size or corruption_model.patch_size, lower, upper
     )
     return corrupted, mask
 
@@ -423,18 +438,18 @@ def rspc_loss(
     drop_tokens=False,
     sampling=None,
     mixing=None,
+    patch_size=None,
 ):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
-    official DDP code. Returns (total, aux) with aux holding the parts (`align`, or
-    `occluded_ce` for objective="ce") and the new state.
-    objective='ce' (ablation) replaces L_align by CE on the occluded images, so C ascends
-    lam * CE(x_hat) and the classifier trains on clean and occluded data.
-    drop_tokens (ablation, models with `supports_token_dropping`): the selected patches
-    are dropped from the corrupted half's token sequence instead of filled with noise (the
-    model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
-    sampling, mixing: see `corrupt_batch`.
+    official DDP code. Returns (total, aux): aux holds the parts (`align`, or `occluded_ce`
+    for objective='ce') and the new state. objective='ce' (ablation) replaces L_align by CE
+    on the occluded images: C ascends lam * CE(x_hat), the classifier trains on clean and
+    occluded data. drop_tokens (ablation, models with `supports_token_dropping`): the
+    selected patches are dropped from the corrupted half's token sequence instead of filled
+    with noise (the model's `token_keep`; C's gradient flows through it), and L_align runs
+    over the kept tokens. sampling, mixing, patch_size: see `corrupt_batch`.
     """
     corrupted, mask = corrupt_batch(
         corruption_params,
@@ -450,6 +465,7 @@ def rspc_loss(
         mask_probe=mask_probe,
         sampling=sampling,
         mixing=mixing,
+        patch_size=patch_size,
     )
     token_keep, kwargs = None, {}
     if drop_tokens:
@@ -587,3 +603,222 @@ def occlusion_fill(rspc_config, mean: Sequence[float], std: Sequence[float]):
             tuple(float(v) for v in np.asarray(a)) for a in normalized_limits(clamp_mean, clamp_std)
         )
     return noise_mean, noise_std, lower, upper
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """RSPC's static settings, resolved from `config.rspc` and the dataset once
+    (`settings_from_config`). The train step holds them whole (StepSettings.rspc) and hands
+    them to the objective, so that a new switch is a field here, its default
+    (training/defaults.py) and its check, and the step and its setup stay as they are."""
+
+    enabled: bool
+    rho: float
+    lam: float
+    ste_clip: float | None  # None: the identity STE
+    grad_scale: float  # the emulated AMP loss scale on C's gradient
+    noise_mean: tuple  # noise = (u - mean) / std; (0,)/(1,) = normalised-space noise
+    noise_std: tuple
+    clamp_lower: tuple | None  # None = no clamp
+    clamp_upper: tuple | None
+    selection: str  # a name of SELECTIONS
+    patch_size: int  # 0 = the model's token size (`corruption_patch_size`)
+    align_blocks: tuple | None  # None = all blocks
+    objective: str  # 'align' (eq. 2) | 'ce' (CE on the occluded images; ablation)
+    fill: str  # 'noise' (eq. 1) | 'zero' | 'drop'
+    pixel_mean: tuple  # the dataset's normalisation, to find its object's pixels
+    pixel_std: tuple
+    object_threshold: float | None  # pixels above it hold the object, where a dataset says so
+    temperature: float | None  # None: the official quantile rule (`selection_temperature`)
+    mixed_masks: bool  # C's masks partly redrawn at random (`mixed_masks`)
+    learned_fraction: float
+    learned_fraction_ramp_steps: int
+    learned_batch_fraction: float
+    diversity: float  # the weight of `diversity_loss`; 0 = official
+
+
+def settings_from_config(config, spec, steps_per_epoch: int = 1) -> Settings:
+    """`config.rspc` resolved for a dataset `spec` (its mean, std and object_threshold);
+    `steps_per_epoch` turns the switches given in epochs into steps."""
+    r = config.rspc
+    noise_mean, noise_std, lower, upper = occlusion_fill(r, spec.mean, spec.std)
+    return Settings(
+        enabled=r.enabled,
+        rho=r.rho,
+        lam=r.lam,
+        ste_clip=1.0 if r.ste == "clip" else None,
+        grad_scale=r.corruption_grad_scale,
+        noise_mean=noise_mean,
+        noise_std=noise_std,
+        clamp_lower=lower,
+        clamp_upper=upper,
+        selection=r.selection,
+        patch_size=r.patch_size,
+        align_blocks=tuple(r.align_blocks) or None,
+        objective=r.objective,
+        fill=r.fill,
+        pixel_mean=tuple(spec.mean),
+        pixel_std=tuple(spec.std),
+        object_threshold=spec.object_threshold,
+        temperature=selection_temperature(r),
+        mixed_masks=mixed_masks(r),
+        learned_fraction=float(r.learned_fraction),
+        learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
+        learned_batch_fraction=float(r.learned_batch_fraction),
+        diversity=float(r.corruption_diversity),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Selections: which patches of an image are occluded (`rspc.selection`)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionBatch:
+    """What a selection may look at of one micro-batch: its (normalised) images, their
+    global indices (random draws are keyed by them, as the noise is), the step's selection
+    key and step, the patches' size, and the classifier as it is at this step."""
+
+    images: jax.Array
+    example_ids: jax.Array
+    rng: jax.Array
+    step: jax.Array
+    patch_size: int
+    model: Any
+    params: Any
+    batch_stats: Any
+    compute_dtype: Any = None
+
+    @property
+    def num_patches(self) -> int:
+        height, width = self.images.shape[1:3]
+        return (height // self.patch_size) * (width // self.patch_size)
+
+
+class Draws(NamedTuple):
+    """A selection's inputs to `corrupt_batch`: scores that replace C's (None: C's own),
+    Gumbel draws and temperature of sampled masks, and the `mixing` of mixed masks."""
+
+    scores: jax.Array | None = None
+    sampling: tuple | None = None
+    mixing: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """One value of `rspc.selection`: `draw(settings, batch) -> Draws`, and whether the run
+    builds a corruption model C (trained only where `draw` lets C's scores choose)."""
+
+    draw: Callable[[Settings, SelectionBatch], Draws]
+    corruption_model: bool
+
+
+def _learned(settings: Settings, batch: SelectionBatch) -> Draws:
+    """C's masks: the official quantile rule, Gumbel top-k at a temperature, mixed masks."""
+    sampling = None
+    if settings.temperature is not None:
+        rng = jax.random.fold_in(batch.rng, 1)
+        sampling = (gumbel_draws(rng, batch.example_ids, batch.num_patches), settings.temperature)
+    return Draws(sampling=sampling, mixing=_mixing(settings, batch))
+
+
+def _mixing(settings: Settings, batch: SelectionBatch):
+    """The `mixing` of `corrupt_batch` (random scores, uniform draws, C's fraction of the
+    occluded patches at this step, batch fraction), or None where C's masks are used whole."""
+    if not settings.mixed_masks:
+        return None
+    rng = jax.random.fold_in(batch.rng, 2)
+    scores = uniform_noise(rng, batch.example_ids, (batch.num_patches,))
+    draws = uniform_noise(jax.random.fold_in(rng, 1), batch.example_ids, (2,))
+    fraction = ramped_fraction(
+        settings.learned_fraction, batch.step, settings.learned_fraction_ramp_steps
+    )
+    return scores, draws, fraction, settings.learned_batch_fraction
+
+
+def _random_scores(batch: SelectionBatch) -> jax.Array:
+    """U[0,1) scores (B, N), keyed by example: under the official rule, random masks."""
+    return uniform_noise(batch.rng, batch.example_ids, (batch.num_patches,))
+
+
+def _random(settings: Settings, batch: SelectionBatch) -> Draws:
+    """Random masks (Table 3's ablation)."""
+    return Draws(scores=_random_scores(batch))
+
+
+def on_object(settings: Settings, images, patch_size: int) -> jax.Array:
+    """(B, N) True where a patch of the normalised `images` holds part of the object (the
+    dataset's object_threshold)."""
+    pixels = images * jnp.asarray(settings.pixel_std) + jnp.asarray(settings.pixel_mean)
+    return object_patches(pixels, patch_size, settings.object_threshold)
+
+
+def _random_object(settings: Settings, batch: SelectionBatch) -> Draws:
+    """Random masks on the object's patches first (the control for a C that selects it)."""
+    preferred = on_object(settings, batch.images, batch.patch_size)
+    return Draws(scores=object_first_scores(_random_scores(batch), preferred))
+
+
+SELECTIONS = {
+    "learned": Selection(_learned, corruption_model=True),
+    # The random selections build a C that is never trained (checkpoints have always held one).
+    "random": Selection(_random, corruption_model=True),
+    "random_object": Selection(_random_object, corruption_model=True),
+}
+
+
+def draw_selection(settings: Settings, batch: SelectionBatch) -> Draws:
+    """The inputs of `corrupt_batch` for the selection `settings` name."""
+    return SELECTIONS[settings.selection].draw(settings, batch)
+
+
+def corruption_model_for(rspc_config, model) -> nn.Module | None:
+    """The run's C (`make_corruption_model` at `corruption_patch_size`), or None where the run
+    has none: RSPC off, or a selection that builds none."""
+    if not (rspc_config.enabled and SELECTIONS[rspc_config.selection].corruption_model):
+        return None
+    return make_corruption_model(rspc_config, corruption_patch_size(rspc_config, model))
+
+
+def occlusion_noise(settings: Settings, rng, example_ids, images) -> jax.Array:
+    """The fill of occluded patches: uniform noise per example (eq. 1), or zeros ('zero';
+    'drop' never shows the filled image)."""
+    if settings.fill != "noise":
+        return jnp.zeros_like(images)
+    uniform = uniform_noise(rng, example_ids, images.shape[1:])
+    return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+
+
+# --------------------------------------------------------------------------------------
+# Checks of config.rspc that need the dataset or the model (the fields' ranges and choices
+# are checked earlier, without JAX, by training/checks.py)
+
+
+def check_dataset(rspc_config, spec, dataset: str) -> None:
+    """Random patches on the object need a dataset whose `spec` says which pixels are the
+    object."""
+    if not (rspc_config.enabled and rspc_config.selection == "random_object"):
+        return
+    if spec.object_threshold is None:
+        raise ConfigError(
+            f"rspc.selection='random_object' occludes random patches of the object, but dataset "
+            f"{dataset!r} does not say which pixels are its object (its spec has no "
+            "object_threshold). Use it on the digits datasets, or use rspc.selection='random'."
+        )
+
+
+def check_model(rspc_config, model, model_name: str) -> None:
+    """Token dropping has a model that supports it, with one RSPC patch per token."""
+    if not (rspc_config.enabled and rspc_config.fill == "drop"):
+        return
+    if not getattr(model, "supports_token_dropping", False):
+        raise ConfigError(
+            f"config.rspc.fill='drop' removes tokens from the sequence, which {model_name} "
+            "cannot do (RVT, FAN and XCiT mix tokens with convolutions on the token grid); "
+            "use a ViT/DeiT model or fill='noise'/'zero'"
+        )
+    if corruption_patch_size(rspc_config, model) != model.patch_size:
+        raise ConfigError(
+            f"config.rspc.fill='drop' needs rspc.patch_size equal to the model's "
+            f"token size {model.patch_size}; leave rspc.patch_size at 0"
+        )

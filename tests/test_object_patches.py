@@ -60,14 +60,11 @@ def test_only_the_switch_changes_the_selection():
 
     config = smoke_config("")
     spec = specs.dataset_spec("sklearn_digits_canvas")
-    default = setup.step_settings(config, spec)
-    assert (default.random_selection, default.object_first) == (False, False)
-    config.rspc.selection = "random"
-    assert (setup.step_settings(config, spec).object_first) is False
+    assert setup.step_settings(config, spec).rspc.selection == "learned"
     config.rspc.selection = "random_object"
-    switched = setup.step_settings(config, spec)
-    assert (switched.random_selection, switched.object_first) == (True, True)
-    assert rspc.selection_temperature(config.rspc) is None
+    switched = setup.step_settings(config, spec).rspc
+    assert switched.selection == "random_object"
+    assert switched.temperature is None and not switched.mixed_masks  # nothing of C's
 
 
 def test_train_step_occludes_only_digit_patches_on_the_canvas(digits_data_dir, tmp_path):
