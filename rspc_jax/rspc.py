@@ -159,14 +159,20 @@ def sampled_keep_mask(
     occluded, exact ties broken by the draws (not by position). Standardising makes the
     temperature mean the same whatever the scale C's scores grow to.
     """
+    lowest = lowest_patches(scores, num_occluded(scores.shape[1], rho), gumbel, temperature)
+    return (~lowest).astype(jnp.float32)
+
+
+def lowest_patches(scores, count: int, gumbel, temperature: float) -> jax.Array:
+    """(B, N) True on the `count` lowest z - max(temperature, TIE_BREAK) * gumbel per image,
+    z the scores standardised over the image's patches (`sampled_keep_mask`)."""
     scores = scores.astype(jnp.float32)
     mean = jnp.mean(scores, axis=1, keepdims=True)
     std = jnp.std(scores, axis=1, keepdims=True)
     standardised = (scores - mean) / jnp.maximum(std, 1e-12)
     perturbed = standardised - max(temperature, TIE_BREAK) * gumbel
-    count = num_occluded(scores.shape[1], rho)
     kth_lowest = -jax.lax.top_k(-perturbed, count)[0][:, -1:]
-    return (perturbed > kth_lowest).astype(scores.dtype)
+    return perturbed <= kth_lowest
 
 
 def object_patches(pixels, patch_size: int, threshold: float) -> jax.Array:
@@ -177,12 +183,13 @@ def object_patches(pixels, patch_size: int, threshold: float) -> jax.Array:
     return (grid.max(axis=(2, 4, 5)) > threshold).reshape(b, -1)
 
 
-def object_first_scores(random_scores: jax.Array, on_object: jax.Array) -> jax.Array:
-    """Random scores (B, N) in [0, 1) lowered by 1 on the patches that hold the object: the
-    official rule, which occludes the lowest scores, then takes the object's patches first,
-    at random among them, and background patches only where an image has too few
-    (`rspc.selection='random_object'`, the control for a C that selects the object)."""
-    return random_scores - on_object.astype(random_scores.dtype)
+def preferred_first_scores(random_scores: jax.Array, preferred: jax.Array) -> jax.Array:
+    """Random scores (B, N) in [0, 1) lowered by 1 on the `preferred` patches (B, N): the
+    official rule, which occludes the lowest scores, then takes the preferred patches first,
+    at random among them, and others only where an image has too few. The preferred patches
+    are the object's (`rspc.selection='random_object'`, the control for a C that selects the
+    object) or the most attended (`'attended'`, `'random_attended'`)."""
+    return random_scores - preferred.astype(random_scores.dtype)
 
 
 def gumbel_draws(rng: jax.Array, example_ids: jax.Array, num_patches: int) -> jax.Array:
@@ -635,6 +642,7 @@ class Settings:
     learned_fraction_ramp_steps: int
     learned_batch_fraction: float
     diversity: float  # the weight of `diversity_loss`; 0 = official
+    attended_pool: float = 2.0  # m / k of 'random_attended' (`attended_pool`)
 
 
 def settings_from_config(config, spec, steps_per_epoch: int = 1) -> Settings:
@@ -666,6 +674,7 @@ def settings_from_config(config, spec, steps_per_epoch: int = 1) -> Settings:
         learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
         learned_batch_fraction=float(r.learned_batch_fraction),
         diversity=float(r.corruption_diversity),
+        attended_pool=float(r.attended_pool),
     )
 
 
@@ -706,11 +715,13 @@ class Draws(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    """One value of `rspc.selection`: `draw(settings, batch) -> Draws`, and whether the run
-    builds a corruption model C (trained only where `draw` lets C's scores choose)."""
+    """One value of `rspc.selection`: `draw(settings, batch) -> Draws`, whether the run
+    builds a corruption model C (trained only where `draw` lets C's scores choose), and
+    whether it reads the classifier's attention (`ATTENTION_OF` must know the model)."""
 
     draw: Callable[[Settings, SelectionBatch], Draws]
     corruption_model: bool
+    attention: bool = False
 
 
 def _learned(settings: Settings, batch: SelectionBatch) -> Draws:
@@ -756,7 +767,122 @@ def on_object(settings: Settings, images, patch_size: int) -> jax.Array:
 def _random_object(settings: Settings, batch: SelectionBatch) -> Draws:
     """Random masks on the object's patches first (the control for a C that selects it)."""
     preferred = on_object(settings, batch.images, batch.patch_size)
-    return Draws(scores=object_first_scores(_random_scores(batch), preferred))
+    return Draws(scores=preferred_first_scores(_random_scores(batch), preferred))
+
+
+# --------------------------------------------------------------------------------------
+# Occluding what the classifier attends to (`rspc.selection='attended'`, 'random_attended';
+# docs/method.md, "Occluding what the classifier attends to")
+
+
+def _class_token_row(maps) -> jax.Array:
+    """(B, heads, queries, 1 + N) maps whose token 0 is the class token -> the class token's
+    attention to the N patches (B, N), mean over heads."""
+    return jnp.mean(maps[:, :, 0, 1:].astype(jnp.float32), axis=1)
+
+
+def _received(maps) -> jax.Array:
+    """(B, heads, N, N) -> the attention each token receives (B, N), mean over heads and
+    queries: a model without a class token pools every token alike, so every query counts."""
+    return jnp.mean(maps.astype(jnp.float32), axis=(1, 2))
+
+
+def _last_class_attention(model, intermediates) -> jax.Array:
+    """CaiT, XCiT, FAN: the class token's row in the last class-attention block."""
+    return _class_token_row(intermediates["class_attention_maps"][-1])
+
+
+def _vit_attention(model, intermediates) -> jax.Array:
+    """ViT/DeiT: the class token's row in the last block, or (pool='avg', no class token)
+    the attention each patch receives there."""
+    maps = intermediates["attention_maps"][-1]
+    return _class_token_row(maps) if model.pool == "token" else _received(maps)
+
+
+def _rvt_attention(model, intermediates) -> jax.Array:
+    """RVT (no class token, the head averages the last stage): the attention each token
+    receives in the last block."""
+    return _received(intermediates["attention_maps"][-1])
+
+
+# Per model family (its class name): fn(model, intermediates sown with sow_attention=True)
+# -> (B, T) how much the classifier attends to each token of the last layer that attends over
+# the image's tokens, row-major over that layer's token grid.
+ATTENTION_OF = {
+    "ViT": _vit_attention,
+    "RVT": _rvt_attention,
+    "CaiT": _last_class_attention,
+    "XCiT": _last_class_attention,
+    "FAN": _last_class_attention,
+}
+
+
+def _on_patch_grid(per_token: jax.Array, grid: tuple[int, int]) -> jax.Array:
+    """(B, T) over a token grid of the images' aspect -> (B, gh * gw) over the patch `grid`:
+    the same grid, or one that each token covers with f x f patches (RVT's pooled last stage
+    repeats its values)."""
+    batch, tokens = per_token.shape
+    rows = round(math.sqrt(tokens * grid[0] / grid[1]))
+    cols = tokens // max(rows, 1)
+    if rows * cols != tokens or grid[0] % rows or grid[1] % cols:
+        raise ValueError(
+            f"the attention's {tokens} tokens form no grid that the {grid[0]}x{grid[1]} "
+            "patches tile; attention selections need rspc.patch_size at 0 (the model's tokens)"
+        )
+    values = per_token.reshape(batch, rows, 1, cols, 1)
+    values = jnp.broadcast_to(values, (batch, rows, grid[0] // rows, cols, grid[1] // cols))
+    return values.reshape(batch, grid[0] * grid[1])
+
+
+def clean_attention(batch: SelectionBatch) -> jax.Array:
+    """(B, N) the classifier's attention to each patch of the clean images (`ATTENTION_OF`),
+    under stop-gradient. It takes one extra forward pass over the clean images in evaluation
+    mode (no dropout, BatchNorm's running statistics, nothing updated): the step's one pass
+    over [x_hat; x] cannot give it, since x_hat is built from it."""
+    _, state = apply_model(
+        batch.model,
+        jax.lax.stop_gradient(batch.params),
+        jax.lax.stop_gradient(batch.batch_stats),
+        batch.images,
+        compute_dtype=batch.compute_dtype,
+        train=False,
+        sow_attention=True,
+        mutable=["intermediates"],
+    )
+    per_token = ATTENTION_OF[type(batch.model).__name__](batch.model, state["intermediates"])
+    grid = (batch.images.shape[1] // batch.patch_size, batch.images.shape[2] // batch.patch_size)
+    return jax.lax.stop_gradient(_on_patch_grid(per_token, grid))
+
+
+def attended_pool(settings: Settings, num_patches: int) -> int:
+    """m, the most attended patches among which 'random_attended' draws its k: round(pool * k),
+    at least k and at most every patch."""
+    k = num_occluded(num_patches, settings.rho)
+    return min(num_patches, max(k, round(settings.attended_pool * k)))
+
+
+def most_attended_first(attention, m: int, ties, random_scores) -> jax.Array:
+    """Scores under which the official rule occludes k patches at random among the m that
+    `attention` (B, N) ranks highest (`preferred_first_scores`); exact ties of attention
+    (RVT's repeated values) broken by the Gumbel draws `ties` (B, N), not by position."""
+    most_attended = lowest_patches(-attention, m, ties, 0.0)
+    return preferred_first_scores(random_scores, most_attended)
+
+
+def _within_most_attended(batch: SelectionBatch, m: int) -> Draws:
+    ties = gumbel_draws(jax.random.fold_in(batch.rng, 3), batch.example_ids, batch.num_patches)
+    scores = most_attended_first(clean_attention(batch), m, ties, _random_scores(batch))
+    return Draws(scores=scores)
+
+
+def _attended(settings: Settings, batch: SelectionBatch) -> Draws:
+    """The k patches the classifier attends to most (AttMask's hardest masking)."""
+    return _within_most_attended(batch, num_occluded(batch.num_patches, settings.rho))
+
+
+def _random_attended(settings: Settings, batch: SelectionBatch) -> Draws:
+    """k patches at random among the m it attends to most (`attended_pool`)."""
+    return _within_most_attended(batch, attended_pool(settings, batch.num_patches))
 
 
 SELECTIONS = {
@@ -764,6 +890,8 @@ SELECTIONS = {
     # The random selections build a C that is never trained (checkpoints have always held one).
     "random": Selection(_random, corruption_model=True),
     "random_object": Selection(_random_object, corruption_model=True),
+    "attended": Selection(_attended, corruption_model=False, attention=True),
+    "random_attended": Selection(_random_attended, corruption_model=False, attention=True),
 }
 
 
@@ -808,9 +936,38 @@ def check_dataset(rspc_config, spec, dataset: str) -> None:
 
 
 def check_model(rspc_config, model, model_name: str) -> None:
-    """Token dropping has a model that supports it, with one RSPC patch per token."""
-    if not (rspc_config.enabled and rspc_config.fill == "drop"):
-        return
+    """Token dropping has a model that supports it, with one RSPC patch per token; a
+    selection that reads the classifier's attention has a model whose attention
+    `ATTENTION_OF` knows, over patches that are its tokens."""
+    if rspc_config.enabled and SELECTIONS[rspc_config.selection].attention:
+        _check_attention(rspc_config, model, model_name)
+    if rspc_config.enabled and rspc_config.fill == "drop":
+        _check_token_dropping(rspc_config, model, model_name)
+
+
+def _check_attention(rspc_config, model, model_name: str) -> None:
+    family = type(model).__name__
+    if family not in ATTENTION_OF:
+        raise ConfigError(
+            f"rspc.selection={rspc_config.selection!r} occludes the patches the classifier "
+            f"attends to most, read from its attention maps, but {model_name} ({family}) has "
+            "no attention over the whole image that says where it looks: Swin attends within "
+            "(shifted) windows, so its maps rank a token only against the others of its "
+            "window. The families that have one are ViT/DeiT and RVT (the last block) and "
+            "CaiT, XCiT and FAN (the last class-attention block; docs/method.md, 'Occluding "
+            "what the classifier attends to'). Train one of those, or use "
+            "rspc.selection='random' or 'learned'; to add a family, give rspc.ATTENTION_OF a "
+            "function from its sown maps to one score per token."
+        )
+    if corruption_patch_size(rspc_config, model) != model.patch_size:
+        raise ConfigError(
+            f"rspc.selection={rspc_config.selection!r} ranks the model's tokens, so its "
+            f"patches must be the tokens ({model.patch_size} px), not rspc.patch_size="
+            f"{rspc_config.patch_size}; leave rspc.patch_size at 0."
+        )
+
+
+def _check_token_dropping(rspc_config, model, model_name: str) -> None:
     if not getattr(model, "supports_token_dropping", False):
         raise ConfigError(
             f"config.rspc.fill='drop' removes tokens from the sequence, which {model_name} "

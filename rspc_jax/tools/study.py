@@ -37,6 +37,8 @@ LABELS = {
     "rspc": "RSPC",
     "random_patches": "RSPC, random patches",
     "random_object_patches": "RSPC, random patches on the digit",
+    "attended_patches": "RSPC, the most attended patches",
+    "random_attended_patches": "RSPC, random patches among the most attended",
     "clean_and_corrupted": "clean + corrupted",
 }
 # The methods of the README's headline table (those present in a setting).
