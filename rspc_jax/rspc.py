@@ -13,12 +13,17 @@ One file, each piece a pure function that can be tested alone:
    (exactly that many patches per image, Gumbel top-k; docs/method.md, "A per-image C").
    Also beside it (`rspc.learned_fraction`, `learned_fraction_ramp_epochs`,
    `learned_batch_fraction`, not in the paper): `mixed_keep_mask`, C's mask with part of it
-   redrawn at random (docs/method.md, "Mixed masks").
+   redrawn at random (docs/method.md, "Mixed masks"). And (`rspc.selection='attended'`,
+   `'random_attended'`, not in the paper): no C at all, the patches the classifier attends to
+   most in an extra clean forward (`clean_attention`; docs/method.md, "Occluding what the
+   classifier attends to").
 3. `occlude` (eq. 1): x_hat = clamp(m * x + (1 - m) * delta, lower, upper).
 4. `alignment_loss` (eq. 2 with the official reduction): mean over all backbone
    blocks of the element-wise mean squared difference between the corrupted and the
    clean half of one concatenated forward pass; the clean side is not detached.
 5. `rspc_loss`: one forward over [x_hat; x], CE on the clean half only, CE + lam * L_align.
+6. `Settings` (`settings_from_config`), what the step holds of config.rspc, and `SELECTIONS`,
+   one function per value of `rspc.selection`, with the checks that need the data or model.
 
 Deviations of the official code from the paper's wording (all defaults follow the code;
 docs/method.md, "Paper vs official code"): the noise is U[0,1) in *normalised* space and
@@ -870,6 +875,8 @@ def most_attended_first(attention, m: int, ties, random_scores) -> jax.Array:
 
 
 def _within_most_attended(batch: SelectionBatch, m: int) -> Draws:
+    """k of the m most attended patches at random (`most_attended_first`), the tie draws and
+    the random scores keyed by example (fold 3 of the selection key: the others are taken)."""
     ties = gumbel_draws(jax.random.fold_in(batch.rng, 3), batch.example_ids, batch.num_patches)
     scores = most_attended_first(clean_attention(batch), m, ties, _random_scores(batch))
     return Draws(scores=scores)
