@@ -298,7 +298,7 @@ class OurRun:
         self.num_blocks = sum(config.model["depth"])
 
     def noise(self) -> np.ndarray:
-        """The occlusion noise this step draws (objectives._occlusion_noise, normalised space)."""
+        """The occlusion noise this step draws (rspc.occlusion_noise, normalised space)."""
         key = step_lib.step_keys(self.state)[0]
         return np.asarray(rspc.uniform_noise(key, jnp.arange(BATCH), (IMAGE, IMAGE, 3)))
 

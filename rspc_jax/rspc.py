@@ -13,12 +13,17 @@ One file, each piece a pure function that can be tested alone:
    (exactly that many patches per image, Gumbel top-k; docs/method.md, "A per-image C").
    Also beside it (`rspc.learned_fraction`, `learned_fraction_ramp_epochs`,
    `learned_batch_fraction`, not in the paper): `mixed_keep_mask`, C's mask with part of it
-   redrawn at random (docs/method.md, "Mixed masks").
+   redrawn at random (docs/method.md, "Mixed masks"). And (`rspc.selection='attended'`,
+   `'random_attended'`, not in the paper): no C at all, the patches the classifier attends to
+   most in an extra clean forward (`clean_attention`; docs/method.md, "Occluding what the
+   classifier attends to").
 3. `occlude` (eq. 1): x_hat = clamp(m * x + (1 - m) * delta, lower, upper).
 4. `alignment_loss` (eq. 2 with the official reduction): mean over all backbone
    blocks of the element-wise mean squared difference between the corrupted and the
    clean half of one concatenated forward pass; the clean side is not detached.
 5. `rspc_loss`: one forward over [x_hat; x], CE on the clean half only, CE + lam * L_align.
+6. `Settings` (`settings_from_config`), what the step holds of config.rspc, and `SELECTIONS`,
+   one function per value of `rspc.selection`, with the checks that need the data or model.
 
 Deviations of the official code from the paper's wording (all defaults follow the code;
 docs/method.md, "Paper vs official code"): the noise is U[0,1) in *normalised* space and
@@ -28,9 +33,11 @@ official C gradient is that of the GradScaler-scaled loss (S = 2**16 at the star
 training), which the `grad_scale` of the STE emulates.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -38,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rspc_jax import ConfigError
 from rspc_jax.models import layers
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -156,22 +164,37 @@ def sampled_keep_mask(
     occluded, exact ties broken by the draws (not by position). Standardising makes the
     temperature mean the same whatever the scale C's scores grow to.
     """
+    lowest = lowest_patches(scores, num_occluded(scores.shape[1], rho), gumbel, temperature)
+    return (~lowest).astype(jnp.float32)
+
+
+def lowest_patches(scores, count: int, gumbel, temperature: float) -> jax.Array:
+    """(B, N) True on the `count` lowest z - max(temperature, TIE_BREAK) * gumbel per image,
+    z the scores standardised over the image's patches (`sampled_keep_mask`)."""
     scores = scores.astype(jnp.float32)
     mean = jnp.mean(scores, axis=1, keepdims=True)
     std = jnp.std(scores, axis=1, keepdims=True)
     standardised = (scores - mean) / jnp.maximum(std, 1e-12)
     perturbed = standardised - max(temperature, TIE_BREAK) * gumbel
-    count = num_occluded(scores.shape[1], rho)
     kth_lowest = -jax.lax.top_k(-perturbed, count)[0][:, -1:]
-    return (perturbed > kth_lowest).astype(scores.dtype)
+    return perturbed <= kth_lowest
 
 
-def object_first_scores(random_scores: jax.Array, on_object: jax.Array) -> jax.Array:
-    """Random scores (B, N) in [0, 1) lowered by 1 on the patches that hold the object: the
-    official rule, which occludes the lowest scores, then takes the object's patches first,
-    at random among them, and background patches only where an image has too few
-    (`rspc.selection='random_object'`, the control for a C that selects the object)."""
-    return random_scores - on_object.astype(random_scores.dtype)
+def object_patches(pixels, patch_size: int, threshold: float) -> jax.Array:
+    """(B, N) True where a patch of `pixels` (B, H, W, C in [0, 1]) holds part of the object:
+    a pixel above the dataset's `threshold` (specs.DatasetSpec.object_threshold)."""
+    b, h, w, c = pixels.shape
+    grid = pixels.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
+    return (grid.max(axis=(2, 4, 5)) > threshold).reshape(b, -1)
+
+
+def preferred_first_scores(random_scores: jax.Array, preferred: jax.Array) -> jax.Array:
+    """Random scores (B, N) in [0, 1) lowered by 1 on the `preferred` patches (B, N): the
+    official rule, which occludes the lowest scores, then takes the preferred patches first,
+    at random among them, and others only where an image has too few. The preferred patches
+    are the object's (`rspc.selection='random_object'`, the control for a C that selects the
+    object) or the most attended (`'attended'`, `'random_attended'`)."""
+    return random_scores - preferred.astype(random_scores.dtype)
 
 
 def gumbel_draws(rng: jax.Array, example_ids: jax.Array, num_patches: int) -> jax.Array:
@@ -355,10 +378,13 @@ def corrupt_batch(
     mask_probe=None,
     sampling=None,
     mixing=None,
+    patch_size=None,
 ):
     """Builds x_hat = C-selected occlusion of `images`; returns (x_hat, keep-mask (B, N)).
 
-    `random_scores` replaces C's scores (the random-selection ablation, Table 3).
+    `random_scores` replaces C's scores (the random-selection ablation, Table 3, and every
+    selection of SELECTIONS that is not C's); with `corruption_model` None (a selection that
+    builds no C) they are the only scores, and `patch_size` (else C's) sizes the patches.
     `mask_probe` (zeros (B, N)) is added to the mask so that its gradient exposes the
     gradient reaching the STE (for the saturation diagnostics).
     `sampling` (gumbel draws (B, N), temperature) selects by `sampled_keep_mask` instead of
@@ -367,9 +393,10 @@ def corrupt_batch(
     part of C's mask at random (`mixed_keep_mask`); C's gradient then comes only from the
     images whose mask it had a say in.
     """
-    scores = corruption_model.apply({"params": corruption_params}, images)
     if random_scores is not None:
         scores = random_scores
+    else:
+        scores = corruption_model.apply({"params": corruption_params}, images)
     fixed = jax.lax.stop_gradient(scores)
     if sampling is None:
         hard = keep_mask(fixed, rho)
@@ -382,7 +409,7 @@ def corrupt_batch(
     if mask_probe is not None:
         mask = mask + mask_probe
     corrupted = occlude_with_patch_mask(
-        images, mask, noise, corruption_model.patch_size, lower, upper
+        images, mask, noise, patch_size or corruption_model.patch_size, lower, upper
     )
     return corrupted, mask
 
@@ -423,18 +450,18 @@ def rspc_loss(
     drop_tokens=False,
     sampling=None,
     mixing=None,
+    patch_size=None,
 ):
     """CE(clean) + lam * L_align from ONE forward pass over [x_hat; x] (official order).
 
     BatchNorm statistics (if the model has any) therefore span both halves, as in the
-    official DDP code. Returns (total, aux) with aux holding the parts (`align`, or
-    `occluded_ce` for objective="ce") and the new state.
-    objective='ce' (ablation) replaces L_align by CE on the occluded images, so C ascends
-    lam * CE(x_hat) and the classifier trains on clean and occluded data.
-    drop_tokens (ablation, models with `supports_token_dropping`): the selected patches
-    are dropped from the corrupted half's token sequence instead of filled with noise (the
-    model's `token_keep`; C's gradient flows through it), and L_align runs over the kept tokens.
-    sampling, mixing: see `corrupt_batch`.
+    official DDP code. Returns (total, aux): aux holds the parts (`align`, or `occluded_ce`
+    for objective='ce') and the new state. objective='ce' (ablation) replaces L_align by CE
+    on the occluded images: C ascends lam * CE(x_hat), the classifier trains on clean and
+    occluded data. drop_tokens (ablation, models with `supports_token_dropping`): the
+    selected patches are dropped from the corrupted half's token sequence instead of filled
+    with noise (the model's `token_keep`; C's gradient flows through it), and L_align runs
+    over the kept tokens. sampling, mixing, patch_size: see `corrupt_batch`.
     """
     corrupted, mask = corrupt_batch(
         corruption_params,
@@ -450,6 +477,7 @@ def rspc_loss(
         mask_probe=mask_probe,
         sampling=sampling,
         mixing=mixing,
+        patch_size=patch_size,
     )
     token_keep, kwargs = None, {}
     if drop_tokens:
@@ -587,3 +615,374 @@ def occlusion_fill(rspc_config, mean: Sequence[float], std: Sequence[float]):
             tuple(float(v) for v in np.asarray(a)) for a in normalized_limits(clamp_mean, clamp_std)
         )
     return noise_mean, noise_std, lower, upper
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """RSPC's static settings, resolved from `config.rspc` and the dataset once
+    (`settings_from_config`). The train step holds them whole (StepSettings.rspc) and hands
+    them to the objective, so that a new switch is a field here, its default
+    (training/defaults.py) and its check, and the step and its setup stay as they are."""
+
+    enabled: bool
+    rho: float
+    lam: float
+    ste_clip: float | None  # None: the identity STE
+    grad_scale: float  # the emulated AMP loss scale on C's gradient
+    noise_mean: tuple  # noise = (u - mean) / std; (0,)/(1,) = normalised-space noise
+    noise_std: tuple
+    clamp_lower: tuple | None  # None = no clamp
+    clamp_upper: tuple | None
+    selection: str  # a name of SELECTIONS
+    patch_size: int  # 0 = the model's token size (`corruption_patch_size`)
+    align_blocks: tuple | None  # None = all blocks
+    objective: str  # 'align' (eq. 2) | 'ce' (CE on the occluded images; ablation)
+    fill: str  # 'noise' (eq. 1) | 'zero' | 'drop'
+    pixel_mean: tuple  # the dataset's normalisation, to find its object's pixels
+    pixel_std: tuple
+    object_threshold: float | None  # pixels above it hold the object, where a dataset says so
+    temperature: float | None  # None: the official quantile rule (`selection_temperature`)
+    mixed_masks: bool  # C's masks partly redrawn at random (`mixed_masks`)
+    learned_fraction: float
+    learned_fraction_ramp_steps: int
+    learned_batch_fraction: float
+    diversity: float  # the weight of `diversity_loss`; 0 = official
+    attended_pool: float = 2.0  # m / k of 'random_attended' (`attended_pool`)
+
+
+def settings_from_config(config, spec, steps_per_epoch: int = 1) -> Settings:
+    """`config.rspc` resolved for a dataset `spec` (its mean, std and object_threshold);
+    `steps_per_epoch` turns the switches given in epochs into steps."""
+    r = config.rspc
+    noise_mean, noise_std, lower, upper = occlusion_fill(r, spec.mean, spec.std)
+    return Settings(
+        enabled=r.enabled,
+        rho=r.rho,
+        lam=r.lam,
+        ste_clip=1.0 if r.ste == "clip" else None,
+        grad_scale=r.corruption_grad_scale,
+        noise_mean=noise_mean,
+        noise_std=noise_std,
+        clamp_lower=lower,
+        clamp_upper=upper,
+        selection=r.selection,
+        patch_size=r.patch_size,
+        align_blocks=tuple(r.align_blocks) or None,
+        objective=r.objective,
+        fill=r.fill,
+        pixel_mean=tuple(spec.mean),
+        pixel_std=tuple(spec.std),
+        object_threshold=spec.object_threshold,
+        temperature=selection_temperature(r),
+        mixed_masks=mixed_masks(r),
+        learned_fraction=float(r.learned_fraction),
+        learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
+        learned_batch_fraction=float(r.learned_batch_fraction),
+        diversity=float(r.corruption_diversity),
+        attended_pool=float(r.attended_pool),
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Selections: which patches of an image are occluded (`rspc.selection`)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionBatch:
+    """What a selection may look at of one micro-batch: its (normalised) images, their
+    global indices (random draws are keyed by them, as the noise is), the step's selection
+    key and step, the patches' size, and the classifier as it is at this step."""
+
+    images: jax.Array
+    example_ids: jax.Array
+    rng: jax.Array
+    step: jax.Array
+    patch_size: int
+    model: Any
+    params: Any
+    batch_stats: Any
+    compute_dtype: Any = None
+
+    @property
+    def num_patches(self) -> int:
+        height, width = self.images.shape[1:3]
+        return (height // self.patch_size) * (width // self.patch_size)
+
+
+class Draws(NamedTuple):
+    """A selection's inputs to `corrupt_batch`: scores that replace C's (None: C's own),
+    Gumbel draws and temperature of sampled masks, and the `mixing` of mixed masks."""
+
+    scores: jax.Array | None = None
+    sampling: tuple | None = None
+    mixing: tuple | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """One value of `rspc.selection`: `draw(settings, batch) -> Draws`, whether the run
+    builds a corruption model C (trained only where `draw` lets C's scores choose), and
+    whether it reads the classifier's attention (`ATTENTION_OF` must know the model)."""
+
+    draw: Callable[[Settings, SelectionBatch], Draws]
+    corruption_model: bool
+    attention: bool = False
+
+
+def _learned(settings: Settings, batch: SelectionBatch) -> Draws:
+    """C's masks: the official quantile rule, Gumbel top-k at a temperature, mixed masks."""
+    sampling = None
+    if settings.temperature is not None:
+        rng = jax.random.fold_in(batch.rng, 1)
+        sampling = (gumbel_draws(rng, batch.example_ids, batch.num_patches), settings.temperature)
+    return Draws(sampling=sampling, mixing=_mixing(settings, batch))
+
+
+def _mixing(settings: Settings, batch: SelectionBatch):
+    """The `mixing` of `corrupt_batch` (random scores, uniform draws, C's fraction of the
+    occluded patches at this step, batch fraction), or None where C's masks are used whole."""
+    if not settings.mixed_masks:
+        return None
+    rng = jax.random.fold_in(batch.rng, 2)
+    scores = uniform_noise(rng, batch.example_ids, (batch.num_patches,))
+    draws = uniform_noise(jax.random.fold_in(rng, 1), batch.example_ids, (2,))
+    fraction = ramped_fraction(
+        settings.learned_fraction, batch.step, settings.learned_fraction_ramp_steps
+    )
+    return scores, draws, fraction, settings.learned_batch_fraction
+
+
+def _random_scores(batch: SelectionBatch) -> jax.Array:
+    """U[0,1) scores (B, N), keyed by example: under the official rule, random masks."""
+    return uniform_noise(batch.rng, batch.example_ids, (batch.num_patches,))
+
+
+def _random(settings: Settings, batch: SelectionBatch) -> Draws:
+    """Random masks (Table 3's ablation)."""
+    return Draws(scores=_random_scores(batch))
+
+
+def on_object(settings: Settings, images, patch_size: int) -> jax.Array:
+    """(B, N) True where a patch of the normalised `images` holds part of the object (the
+    dataset's object_threshold)."""
+    pixels = images * jnp.asarray(settings.pixel_std) + jnp.asarray(settings.pixel_mean)
+    return object_patches(pixels, patch_size, settings.object_threshold)
+
+
+def _random_object(settings: Settings, batch: SelectionBatch) -> Draws:
+    """Random masks on the object's patches first (the control for a C that selects it)."""
+    preferred = on_object(settings, batch.images, batch.patch_size)
+    return Draws(scores=preferred_first_scores(_random_scores(batch), preferred))
+
+
+# --------------------------------------------------------------------------------------
+# Occluding what the classifier attends to (`rspc.selection='attended'`, 'random_attended';
+# docs/method.md, "Occluding what the classifier attends to")
+
+
+def _class_token_row(maps) -> jax.Array:
+    """(B, heads, queries, 1 + N) maps whose token 0 is the class token -> the class token's
+    attention to the N patches (B, N), mean over heads."""
+    return jnp.mean(maps[:, :, 0, 1:].astype(jnp.float32), axis=1)
+
+
+def _received(maps) -> jax.Array:
+    """(B, heads, N, N) -> the attention each token receives (B, N), mean over heads and
+    queries: a model without a class token pools every token alike, so every query counts."""
+    return jnp.mean(maps.astype(jnp.float32), axis=(1, 2))
+
+
+def _last_class_attention(model, intermediates) -> jax.Array:
+    """CaiT, XCiT, FAN: the class token's row in the last class-attention block."""
+    return _class_token_row(intermediates["class_attention_maps"][-1])
+
+
+def _vit_attention(model, intermediates) -> jax.Array:
+    """ViT/DeiT: the class token's row in the last block, or (pool='avg', no class token)
+    the attention each patch receives there."""
+    maps = intermediates["attention_maps"][-1]
+    return _class_token_row(maps) if model.pool == "token" else _received(maps)
+
+
+def _rvt_attention(model, intermediates) -> jax.Array:
+    """RVT (no class token, the head averages the last stage): the attention each token
+    receives in the last block."""
+    return _received(intermediates["attention_maps"][-1])
+
+
+# Per model family (its class name): fn(model, intermediates sown with sow_attention=True)
+# -> (B, T) how much the classifier attends to each token of the last layer that attends over
+# the image's tokens, row-major over that layer's token grid.
+ATTENTION_OF = {
+    "ViT": _vit_attention,
+    "RVT": _rvt_attention,
+    "CaiT": _last_class_attention,
+    "XCiT": _last_class_attention,
+    "FAN": _last_class_attention,
+}
+
+
+def _on_patch_grid(per_token: jax.Array, grid: tuple[int, int]) -> jax.Array:
+    """(B, T) over a token grid of the images' aspect -> (B, gh * gw) over the patch `grid`:
+    the same grid, or one that each token covers with f x f patches (RVT's pooled last stage
+    repeats its values)."""
+    batch, tokens = per_token.shape
+    rows = round(math.sqrt(tokens * grid[0] / grid[1]))
+    cols = tokens // max(rows, 1)
+    if rows * cols != tokens or grid[0] % rows or grid[1] % cols:
+        raise ValueError(
+            f"the attention's {tokens} tokens form no grid that the {grid[0]}x{grid[1]} "
+            "patches tile; attention selections need rspc.patch_size at 0 (the model's tokens)"
+        )
+    values = per_token.reshape(batch, rows, 1, cols, 1)
+    values = jnp.broadcast_to(values, (batch, rows, grid[0] // rows, cols, grid[1] // cols))
+    return values.reshape(batch, grid[0] * grid[1])
+
+
+def clean_attention(batch: SelectionBatch) -> jax.Array:
+    """(B, N) the classifier's attention to each patch of the clean images (`ATTENTION_OF`),
+    under stop-gradient. It takes one extra forward pass over the clean images in evaluation
+    mode (no dropout, BatchNorm's running statistics, nothing updated): the step's one pass
+    over [x_hat; x] cannot give it, since x_hat is built from it."""
+    _, state = apply_model(
+        batch.model,
+        jax.lax.stop_gradient(batch.params),
+        jax.lax.stop_gradient(batch.batch_stats),
+        batch.images,
+        compute_dtype=batch.compute_dtype,
+        train=False,
+        sow_attention=True,
+        mutable=["intermediates"],
+    )
+    per_token = ATTENTION_OF[type(batch.model).__name__](batch.model, state["intermediates"])
+    grid = (batch.images.shape[1] // batch.patch_size, batch.images.shape[2] // batch.patch_size)
+    return jax.lax.stop_gradient(_on_patch_grid(per_token, grid))
+
+
+def attended_pool(settings: Settings, num_patches: int) -> int:
+    """m, the most attended patches among which 'random_attended' draws its k: round(pool * k),
+    at least k and at most every patch."""
+    k = num_occluded(num_patches, settings.rho)
+    return min(num_patches, max(k, round(settings.attended_pool * k)))
+
+
+def most_attended_first(attention, m: int, ties, random_scores) -> jax.Array:
+    """Scores under which the official rule occludes k patches at random among the m that
+    `attention` (B, N) ranks highest (`preferred_first_scores`); exact ties of attention
+    (RVT's repeated values) broken by the Gumbel draws `ties` (B, N), not by position."""
+    most_attended = lowest_patches(-attention, m, ties, 0.0)
+    return preferred_first_scores(random_scores, most_attended)
+
+
+def _within_most_attended(batch: SelectionBatch, m: int) -> Draws:
+    """k of the m most attended patches at random (`most_attended_first`), the tie draws and
+    the random scores keyed by example (fold 3 of the selection key: the others are taken)."""
+    ties = gumbel_draws(jax.random.fold_in(batch.rng, 3), batch.example_ids, batch.num_patches)
+    scores = most_attended_first(clean_attention(batch), m, ties, _random_scores(batch))
+    return Draws(scores=scores)
+
+
+def _attended(settings: Settings, batch: SelectionBatch) -> Draws:
+    """The k patches the classifier attends to most (AttMask's hardest masking)."""
+    return _within_most_attended(batch, num_occluded(batch.num_patches, settings.rho))
+
+
+def _random_attended(settings: Settings, batch: SelectionBatch) -> Draws:
+    """k patches at random among the m it attends to most (`attended_pool`)."""
+    return _within_most_attended(batch, attended_pool(settings, batch.num_patches))
+
+
+SELECTIONS = {
+    "learned": Selection(_learned, corruption_model=True),
+    # The random selections build a C that is never trained (checkpoints have always held one).
+    "random": Selection(_random, corruption_model=True),
+    "random_object": Selection(_random_object, corruption_model=True),
+    "attended": Selection(_attended, corruption_model=False, attention=True),
+    "random_attended": Selection(_random_attended, corruption_model=False, attention=True),
+}
+
+
+def draw_selection(settings: Settings, batch: SelectionBatch) -> Draws:
+    """The inputs of `corrupt_batch` for the selection `settings` name."""
+    return SELECTIONS[settings.selection].draw(settings, batch)
+
+
+def corruption_model_for(rspc_config, model) -> nn.Module | None:
+    """The run's C (`make_corruption_model` at `corruption_patch_size`), or None where the run
+    has none: RSPC off, or a selection that builds none."""
+    if not (rspc_config.enabled and SELECTIONS[rspc_config.selection].corruption_model):
+        return None
+    return make_corruption_model(rspc_config, corruption_patch_size(rspc_config, model))
+
+
+def occlusion_noise(settings: Settings, rng, example_ids, images) -> jax.Array:
+    """The fill of occluded patches: uniform noise per example (eq. 1), or zeros ('zero';
+    'drop' never shows the filled image)."""
+    if settings.fill != "noise":
+        return jnp.zeros_like(images)
+    uniform = uniform_noise(rng, example_ids, images.shape[1:])
+    return (uniform - jnp.asarray(settings.noise_mean)) / jnp.asarray(settings.noise_std)
+
+
+# --------------------------------------------------------------------------------------
+# Checks of config.rspc that need the dataset or the model (the fields' ranges and choices
+# are checked earlier, without JAX, by training/checks.py)
+
+
+def check_dataset(rspc_config, spec, dataset: str) -> None:
+    """Random patches on the object need a dataset whose `spec` says which pixels are the
+    object."""
+    if not (rspc_config.enabled and rspc_config.selection == "random_object"):
+        return
+    if spec.object_threshold is None:
+        raise ConfigError(
+            f"rspc.selection='random_object' occludes random patches of the object, but dataset "
+            f"{dataset!r} does not say which pixels are its object (its spec has no "
+            "object_threshold). Use it on the digits datasets, or use rspc.selection='random'."
+        )
+
+
+def check_model(rspc_config, model, model_name: str) -> None:
+    """Token dropping has a model that supports it, with one RSPC patch per token; a
+    selection that reads the classifier's attention has a model whose attention
+    `ATTENTION_OF` knows, over patches that are its tokens."""
+    if rspc_config.enabled and SELECTIONS[rspc_config.selection].attention:
+        _check_attention(rspc_config, model, model_name)
+    if rspc_config.enabled and rspc_config.fill == "drop":
+        _check_token_dropping(rspc_config, model, model_name)
+
+
+def _check_attention(rspc_config, model, model_name: str) -> None:
+    family = type(model).__name__
+    if family not in ATTENTION_OF:
+        raise ConfigError(
+            f"rspc.selection={rspc_config.selection!r} occludes the patches the classifier "
+            f"attends to most, read from its attention maps, but {model_name} ({family}) has "
+            "no attention over the whole image that says where it looks: Swin attends within "
+            "(shifted) windows, so its maps rank a token only against the others of its "
+            "window. The families that have one are ViT/DeiT and RVT (the last block) and "
+            "CaiT, XCiT and FAN (the last class-attention block; docs/method.md, 'Occluding "
+            "what the classifier attends to'). Train one of those, or use "
+            "rspc.selection='random' or 'learned'; to add a family, give rspc.ATTENTION_OF a "
+            "function from its sown maps to one score per token."
+        )
+    if corruption_patch_size(rspc_config, model) != model.patch_size:
+        raise ConfigError(
+            f"rspc.selection={rspc_config.selection!r} ranks the model's tokens, so its "
+            f"patches must be the tokens ({model.patch_size} px), not rspc.patch_size="
+            f"{rspc_config.patch_size}; leave rspc.patch_size at 0."
+        )
+
+
+def _check_token_dropping(rspc_config, model, model_name: str) -> None:
+    if not getattr(model, "supports_token_dropping", False):
+        raise ConfigError(
+            f"config.rspc.fill='drop' removes tokens from the sequence, which {model_name} "
+            "cannot do (RVT, FAN and XCiT mix tokens with convolutions on the token grid); "
+            "use a ViT/DeiT model or fill='noise'/'zero'"
+        )
+    if corruption_patch_size(rspc_config, model) != model.patch_size:
+        raise ConfigError(
+            f"config.rspc.fill='drop' needs rspc.patch_size equal to the model's "
+            f"token size {model.patch_size}; leave rspc.patch_size at 0"
+        )

@@ -33,6 +33,9 @@ VARIANTS.update(
             "payoff36",
             "payoff_transfer16",
             "payoff_adaptive16",
+            "payoff_object16",
+            "attention16_validation",
+            "attention16",
         ],
     }
 )

@@ -24,7 +24,7 @@ def _draws(seed, count):
 def test_masks_fall_on_the_object_and_are_random_among_its_patches():
     on_object = np.zeros((64, N), bool)
     on_object[:, [0, 1, 4, 5, 6]] = True  # five object patches, the same for every image
-    keep = rspc.keep_mask(rspc.object_first_scores(_draws(0, 64), jnp.asarray(on_object)), 0.1)
+    keep = rspc.keep_mask(rspc.preferred_first_scores(_draws(0, 64), jnp.asarray(on_object)), 0.1)
     occluded = np.asarray(keep) == 0
     assert (occluded.sum(axis=1) == K).all()
     assert not (occluded & ~on_object).any()  # never a background patch
@@ -36,7 +36,7 @@ def test_masks_fall_on_the_object_and_are_random_among_its_patches():
 def test_an_image_with_fewer_object_patches_than_the_count_loses_them_all_and_random_others():
     on_object = np.zeros((32, N), bool)
     on_object[:, 9] = True  # one object patch, two occluded
-    keep = rspc.keep_mask(rspc.object_first_scores(_draws(1, 32), jnp.asarray(on_object)), 0.1)
+    keep = rspc.keep_mask(rspc.preferred_first_scores(_draws(1, 32), jnp.asarray(on_object)), 0.1)
     occluded = np.asarray(keep) == 0
     assert (occluded.sum(axis=1) == K).all() and occluded[:, 9].all()
     assert len({tuple(np.flatnonzero(row)) for row in occluded}) > 5  # the other one at random
@@ -60,14 +60,11 @@ def test_only_the_switch_changes_the_selection():
 
     config = smoke_config("")
     spec = specs.dataset_spec("sklearn_digits_canvas")
-    default = setup.step_settings(config, spec)
-    assert (default.random_selection, default.object_first) == (False, False)
-    config.rspc.selection = "random"
-    assert (setup.step_settings(config, spec).object_first) is False
+    assert setup.step_settings(config, spec).rspc.selection == "learned"
     config.rspc.selection = "random_object"
-    switched = setup.step_settings(config, spec)
-    assert (switched.random_selection, switched.object_first) == (True, True)
-    assert rspc.selection_temperature(config.rspc) is None
+    switched = setup.step_settings(config, spec).rspc
+    assert switched.selection == "random_object"
+    assert switched.temperature is None and not switched.mixed_masks  # nothing of C's
 
 
 def test_train_step_occludes_only_digit_patches_on_the_canvas(digits_data_dir, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from rspc_jax import ConfigError, parallel, rspc
 from rspc_jax.data import on_device
 from rspc_jax.data import specs as datasets
-from rspc_jax.training import mixup, objectives, setup
+from rspc_jax.training import checks, mixup, objectives, setup
 from tests.conftest import first_batches, smoke_config
 
 COMMON_SIGNATURE = [
@@ -48,6 +48,20 @@ def test_the_config_switches_select_each_registered_objective(digits_data_dir):
     for name, overrides in SELECTED_BY.items():
         settings = setup.step_settings(smoke_config(digits_data_dir, **overrides), spec)
         assert objectives.name_of(settings) == name
+
+
+def test_the_selections_the_config_accepts_are_the_registered_ones():
+    """checks.py (no JAX) lists the values of rspc.selection; rspc.SELECTIONS implements them."""
+    assert checks.CHOICES["rspc.selection"] == tuple(rspc.SELECTIONS)
+
+
+def test_step_settings_hold_rspc_s_settings_whole(digits_data_dir):
+    """The step's settings carry RSPC's as rspc.py resolves them, in one field."""
+    config = smoke_config(digits_data_dir, **{"rspc.corruption_diversity": 0.5})
+    spec = datasets.dataset_spec("sklearn_digits")
+    settings = setup.step_settings(config, spec, steps_per_epoch=10)
+    assert settings.rspc == rspc.settings_from_config(config, spec, steps_per_epoch=10)
+    assert settings.rspc.diversity == 0.5 and settings.rspc.selection == "learned"
 
 
 def _context(config, batch):

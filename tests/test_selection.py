@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rspc_jax import rspc
 from rspc_jax.evaluation import selection
 from tests.conftest import smoke_config
 
@@ -52,7 +53,7 @@ def test_mask_iou_traces_for_batches_whose_pair_count_passes_int32():
 def test_on_object_counts_the_selected_patches_that_hold_a_stroke():
     pixels = np.zeros((2, 8, 8, 3), np.float32)
     pixels[:, :4, :4] = 1.0  # the object fills patch 0 of a 2 x 2 grid of 4-px patches
-    on_object = selection.object_patches(jnp.asarray(pixels), 4, threshold=0.1)
+    on_object = rspc.object_patches(jnp.asarray(pixels), 4, threshold=0.1)
     np.testing.assert_array_equal(on_object, [[True, False, False, False]] * 2)
     masks = jnp.asarray([[1, 1, 0, 0], [0, 1, 1, 0]])
     assert float(selection.statistics(masks, on_object)["on_object"]) == pytest.approx(0.25)

@@ -399,3 +399,55 @@ def test_study_in_parts_reports_every_finished_seed_with_paired_differences(
         plain_rows, "| canvas16 | RSPC, random patches, λ=0.5 |"
     )  # corruptions: 60% against plain's 50%
     assert "-20.00 ± 0.00" in _row(plain_rows, "| canvas16 | RSPC, random patches, λ=0.5 |")
+
+
+def test_attention16_adds_both_attention_selections_to_the_object16_runs():
+    """The attention study shares `:payoff_object16`'s runs (and seeds), adds the two
+    attention selections and the corruption suite; its validation tries only random_attended's
+    pool, on the held-out training digits."""
+    _, config = load_config(REPO / "configs" / "demo_study.py", "attention16")
+    _, validation = load_config(REPO / "configs" / "demo_study.py", "attention16_validation")
+    _, earlier = load_config(REPO / "configs" / "demo_study.py", "payoff_object16")
+    study_runner.check(config)
+    study_runner.check(validation)
+    assert config.study.seeds == earlier.study.seeds and len(config.study.seeds) >= 16
+    assert {"adaptive_occlusion", "corrupted_local"} <= set(config.evaluation.suites.split(","))
+    for name, spec in config.study.settings.items():
+        added = set(spec.methods) - set(earlier.study.settings[name].methods)
+        assert added == {"attended_patches lam=0.5", "random_attended_patches lam=0.5"}
+        run = study_runner.run_config(config, name, "attended_patches lam=0.5", seed=0)
+        assert (run.rspc.selection, run.rspc.lam) == ("attended", 0.5)
+        pools = [
+            study_runner.run_config(validation, name, m, seed=0).rspc.attended_pool
+            for m in validation.study.settings[name].methods
+        ]
+        assert len(pools) > 1 and all(p >= 1 for p in pools)
+    assert validation.eval_split == "train[1200:]" and "test" not in validation.eval_split
+
+
+def test_the_report_pairs_the_attention_selections_with_random_digit_and_content_c_runs():
+    content = "rspc lam=0.5 corruption_model=content temperature=1.0"
+    rows = {
+        content: [{"greedy, 1 patch": 0.30}],
+        "random_patches lam=0.5": [{"greedy, 1 patch": 0.20}],
+        "random_object_patches lam=0.5": [{"greedy, 1 patch": 0.25}],
+        "random_attended_patches lam=0.5 attended_pool=3.0": [{"greedy, 1 patch": 0.26}],
+    }
+    expected = {"random_patches": 0.06, "random_object_patches": 0.01, "content": -0.04}
+    for partner, difference in expected.items():
+        ((method, differences),) = study_runner.attention_against(rows, partner)
+        assert method.startswith("random_attended_patches")
+        assert differences == {"greedy, 1 patch": [pytest.approx(difference)]}
+    assert [m for m, _ in study_runner.learned_vs_random(rows)] == [content]  # only C
+
+
+def test_a_run_s_row_gives_its_training_masks_share_on_the_object():
+    log = [{"train/loss": 1.0}] + [{"train/selection_on_object": v} for v in (0.5, 0.7, 0.9)]
+    record = dict(
+        results=dict(
+            clean=dict(top1=0.9), patch_occlusion=dict(random_mask_accuracy=dict(mean=0.8, min=0.1))
+        ),
+        train_log=log,
+    )
+    row = study_runner.summarise(record)
+    assert row["on object, training"] == pytest.approx(0.7) and row["on object, last log"] == 0.9

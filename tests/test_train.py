@@ -234,7 +234,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_resumes(
 
 def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data_dir):
     spec = datasets.dataset_spec("sklearn_digits")
-    official = setup.step_settings(smoke_config(digits_data_dir), spec)
+    official = setup.step_settings(smoke_config(digits_data_dir), spec).rspc
     assert official.noise_mean == (0.0,) and official.noise_std == (
         1.0,
     )  # U[0,1) as normalised values
@@ -244,13 +244,17 @@ def test_noise_space_and_clamp_switches_resolve_to_the_right_numbers(digits_data
     pixel = setup.step_settings(
         smoke_config(digits_data_dir, **{"rspc.noise_space": "pixel", "rspc.clamp": "dataset"}),
         spec,
-    )
+    ).rspc
     # Pixel-space U[0,1) noise, normalised with the dataset's statistics.
     assert pixel.noise_mean == spec.mean and pixel.noise_std == spec.std
     np.testing.assert_allclose(pixel.clamp_lower, (0 - np.array(spec.mean)) / spec.std, rtol=1e-6)
-    unclamped = setup.step_settings(smoke_config(digits_data_dir, **{"rspc.clamp": "none"}), spec)
+    unclamped = rspc.settings_from_config(
+        smoke_config(digits_data_dir, **{"rspc.clamp": "none"}), spec
+    )
     assert unclamped.clamp_lower is None and unclamped.clamp_upper is None
-    identity = setup.step_settings(smoke_config(digits_data_dir, **{"rspc.ste": "identity"}), spec)
+    identity = rspc.settings_from_config(
+        smoke_config(digits_data_dir, **{"rspc.ste": "identity"}), spec
+    )
     assert identity.ste_clip is None and official.ste_clip == 1.0
 
 

@@ -15,7 +15,8 @@ adversary, so training logs and evaluation reports these numbers:
   mask for every image; unlike a comparison with C's mask of a blank image it needs no
   blank image and no tie-free scores);
 - `on_object`: the fraction of selected patches that hold part of the object, for datasets
-  whose spec says which pixels are the object (digits: a patch with any stroke pixel);
+  whose spec says which pixels are the object (`rspc.object_patches`; digits: a patch with any
+  stroke pixel);
 - `frequency`: how often each position was selected (a vector, row-major over the patch grid;
   the training log keeps it so that a run's selection can be drawn over training).
 
@@ -64,14 +65,6 @@ def mask_iou(occluded) -> jnp.ndarray:
     iou = jnp.where(union > 0, intersection / jnp.maximum(union, 1.0), 1.0)
     pairs = float(count * (count - 1))  # a float: an int32 overflows past 46,341 images
     return jnp.where(pairs > 0, (iou.sum() - jnp.trace(iou)) / max(pairs, 1.0), 1.0)
-
-
-def object_patches(pixels, patch_size: int, threshold: float) -> jnp.ndarray:
-    """(B, N) True where a patch of `pixels` (B, H, W, C in [0, 1]) holds part of the object:
-    a pixel above the dataset's `threshold` (specs.DatasetSpec.object_threshold)."""
-    b, h, w, c = pixels.shape
-    grid = pixels.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
-    return (grid.max(axis=(2, 4, 5)) > threshold).reshape(b, -1)
 
 
 def statistics(occluded, on_object=None) -> dict:

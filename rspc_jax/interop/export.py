@@ -99,7 +99,8 @@ def export(
     if corruption_out:
         if not state.get("corruption_params"):
             raise ConfigError(
-                f"run {workdir} trained without RSPC: it has no corruption model; drop "
+                f"run {workdir} has no corruption model (it trained without RSPC, or with "
+                f"rspc.selection={config.rspc.selection!r}, which builds none); drop "
                 "--corruption_out"
             )
         corruption = state_dicts.export_state_dict(dict(params=state["corruption_params"]))

@@ -38,6 +38,8 @@ LABELS = {
     "rspc": "RSPC",
     "random_patches": "RSPC, random patches",
     "random_object_patches": "RSPC, random patches on the digit",
+    "attended_patches": "RSPC, the most attended patches",
+    "random_attended_patches": "RSPC, random patches among the most attended",
     "clean_and_corrupted": "clean + corrupted",
 }
 # The methods of the README's headline table (those present in a setting).
@@ -224,6 +226,10 @@ def summarise(record: dict) -> dict:
     if "train/selection_entropy" in log[0]:
         row["entropy, first log"] = log[0]["train/selection_entropy"]
         row["entropy, last log"] = log[-1]["train/selection_entropy"]
+    on_object = [r["train/selection_on_object"] for r in log if "train/selection_on_object" in r]
+    if on_object:  # the training masks' share on the object (C's, random, attended)
+        row["on object, training"] = float(np.mean(on_object))
+        row["on object, last log"] = on_object[-1]
     chosen = occlusion.get("selection")
     if chosen:  # C's masks on the test set (for random selection: C as initialised)
         row["C's mask: accuracy"] = occlusion["learned_mask_accuracy"]
@@ -280,6 +286,8 @@ PERCENT = (
     "Cos-Sim",
     "C's mask: accuracy",
     "C: on object",
+    "on object, training",
+    "on object, last log",
 )
 
 
@@ -321,6 +329,7 @@ SELECTION_FIELDS = (
     "corruption_warmup_epochs",
     "corruption_curriculum_epochs",
     "corruption_diversity",
+    "attended_pool",
 )
 
 
@@ -365,6 +374,39 @@ def learned_vs_random(rows: dict, random: str = "random_patches") -> list[tuple]
         for method in rows
         if parse_method(method)[0] == "rspc" and random_twin(method, random) in rows
     ]
+
+
+# The selections that read the classifier's attention (docs/method.md, "Occluding what the
+# classifier attends to"), paired with random patches, random patches on the digit and the
+# content C that differ from them only in the selection.
+ATTENTION = ("attended_patches", "random_attended_patches")
+
+
+def _content_c_twin(method: str, rows: dict) -> str | None:
+    """The content C's method of `rows` with `method`'s other fields, if it ran."""
+    twin = random_twin(method)
+    for other in rows:
+        name, fields = parse_method(other)
+        if name == "rspc" and fields.get("corruption_model") == "content":
+            if random_twin(other) == twin:
+                return other
+    return None
+
+
+def attention_against(rows: dict, partner: str) -> list[tuple]:
+    """(method, {metric: difference attention selection - partner per seed}) for every
+    attention selection of `rows`; `partner` is 'random_patches', 'random_object_patches' or
+    'content' (the content C)."""
+    pairs = []
+    for method in rows:
+        if parse_method(method)[0] not in ATTENTION:
+            continue
+        other = (
+            _content_c_twin(method, rows) if partner == "content" else random_twin(method, partner)
+        )
+        if other in rows:
+            pairs.append((method, _differences(rows[method], rows[other])))
+    return pairs
 
 
 def against_plain(rows: dict) -> list[tuple]:
@@ -607,6 +649,14 @@ def _paired_tables(rows: dict, settings) -> list[str]:
     lines = _paired_table("Learned against random selection", about, learned)
     if any(on_object.values()):  # the control for a C that selects the object
         lines += _paired_table("Learned against random patches on the digit", about, on_object)
+    for partner, title in (
+        ("random_patches", "random patches"),
+        ("random_object_patches", "random patches on the digit"),
+        ("content", "the content C"),
+    ):
+        attention = {s: attention_against(rows[s], partner) for s in settings}
+        if any(attention.values()):
+            lines += _paired_table(f"The classifier's attention against {title}", about, attention)
     return lines + _paired_table("Against plain training", about, plain)
 
 

@@ -38,6 +38,17 @@ ABLATIONS = {
         "(docs/method.md, 'Random patches on the object')",
         _rspc(selection="random_object"),
     ),
+    "attended_patches": (
+        "beyond the paper: alignment, the k patches the classifier attends to most (its clean "
+        "attention; no corruption model) (docs/method.md, 'Occluding what the classifier "
+        "attends to')",
+        _rspc(selection="attended"),
+    ),
+    "random_attended_patches": (
+        "beyond the paper: alignment, k patches at random among the m the classifier attends "
+        "to most (rspc.attended_pool; no corruption model)",
+        _rspc(selection="random_attended"),
+    ),
     "ce_objective": (
         "the corruption model ascends CE on the occluded images instead of "
         "L_align (the classifier descends CE(clean) + CE(occluded))",

@@ -22,7 +22,7 @@ CHOICES = {
     "rspc.ste": ("clip", "identity"),
     "rspc.noise_space": ("normalized", "pixel"),
     "rspc.clamp": ("imagenet", "dataset", "none"),
-    "rspc.selection": ("learned", "random", "random_object"),
+    "rspc.selection": ("learned", "random", "random_object", "attended", "random_attended"),
     "rspc.corruption_model": ("official", "content"),
     "rspc.objective": ("align", "ce"),
     "rspc.fill": ("noise", "zero", "drop"),
@@ -142,6 +142,9 @@ RANGES = {
     ),
     "rspc.corruption_diversity": Range(
         _non_negative, ">= 0", "the weight of C's batch diversity term; 0 = official"
+    ),
+    "rspc.attended_pool": Range(
+        _at_least_one, ">= 1", "m / k: k patches drawn among the m most attended; 1 = the top k"
     ),
     "rspc.lam": Range(_non_negative, ">= 0", "the alignment loss weight lambda; paper: 0.005"),
     "rspc.patch_size": Range(_non_negative, ">= 0", "C's patch in pixels; 0 = the model's"),

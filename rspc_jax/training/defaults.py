@@ -105,6 +105,9 @@ def get_default_config() -> ml_collections.ConfigDict:
             noise_space="normalized",  # 'normalized' (official) | 'pixel' (U[0,1) pixels, as the paper words it)
             clamp="imagenet",  # 'imagenet' (official, even on CIFAR) | 'dataset' | 'none'
             selection="learned",  # 'learned' | 'random' (Table 3) | 'random_object' (control)
+            # | 'attended' | 'random_attended': the classifier's own attention picks the patches
+            # (docs/method.md, "Occluding what the classifier attends to"; no C):
+            attended_pool=2.0,  # 'random_attended': k at random among round(this * k) most attended
             # Beyond the paper (docs/method.md, "A per-image C"): 'official' | 'content' (scores
             # from each patch's own pixels, exactly k per image by Gumbel top-k).
             corruption_model="official",

@@ -14,7 +14,8 @@ step reports. Everything else (micro-batches, collectives, updates) is the step'
 (training/step.py).
 
 Adding an objective: one loss function and one line in OBJECTIVES (and, for a new switch,
-one line in `name_of`).
+one line in `name_of`). RSPC's own switches (a selection, a remedy) live in rspc.py: its
+settings (`rspc.Settings`, StepSettings.rspc) and its selections (`rspc.SELECTIONS`).
 """
 
 from collections.abc import Callable
@@ -26,7 +27,6 @@ import jax
 import jax.numpy as jnp
 
 from rspc_jax import ConfigError, rspc
-from rspc_jax.evaluation import selection
 from rspc_jax.training import adversarial as adversarial_training
 from rspc_jax.training import patch_aug
 
@@ -57,120 +57,86 @@ class Objective:
 # RSPC (and its ablations: clean + corrupted, random or sampled masks, zero fill, dropping)
 
 
-def _num_patches(ctx: Context, images) -> int:
-    size = ctx.corruption_model.patch_size
-    return (images.shape[1] // size) * (images.shape[2] // size)
-
-
-def _occlusion_noise(ctx: Context, rng, images):
-    """The fill of occluded patches: uniform noise per example (eq. 1), or zeros ('zero';
-    'drop' never shows the filled image)."""
-    s = ctx.settings
-    if s.fill != "noise":
-        return jnp.zeros_like(images)
-    uniform = rspc.uniform_noise(rng, ctx.example_ids, images.shape[1:])
-    return (uniform - jnp.asarray(s.noise_mean)) / jnp.asarray(s.noise_std)
-
-
-def _object_patches(ctx: Context, images):
-    """(B, N) True where a patch holds part of the object (the dataset's object_threshold)."""
-    s = ctx.settings
-    pixels = images * jnp.asarray(s.pixel_std) + jnp.asarray(s.pixel_mean)
-    return selection.object_patches(pixels, ctx.corruption_model.patch_size, s.object_threshold)
-
-
-def _selection_draws(ctx: Context, images):
-    """(random_scores, sampling) of `rspc.rspc_loss`: random masks (Table 3's ablation; with
-    `object_first` on the object's patches first) or Gumbel draws for masks sampled at a
-    temperature; (None, None) for the official rule."""
-    s = ctx.settings
-    if s.random_selection:
-        scores = rspc.uniform_noise(ctx.select_rng, ctx.example_ids, (_num_patches(ctx, images),))
-        if s.object_first:
-            scores = rspc.object_first_scores(scores, _object_patches(ctx, images))
-        return scores, None
-    if s.selection_temperature is not None:
-        rng = jax.random.fold_in(ctx.select_rng, 1)
-        gumbel = rspc.gumbel_draws(rng, ctx.example_ids, _num_patches(ctx, images))
-        return None, (gumbel, s.selection_temperature)
-    return None, None
-
-
-def _mixing(ctx: Context, images):
-    """The `mixing` of `rspc.rspc_loss` (random scores, uniform draws, C's fraction of the
-    occluded patches at this step, batch fraction), or None where C's masks are used whole
-    (the official default) or never (random selection)."""
-    s = ctx.settings
-    if s.random_selection or not s.mixed_masks:
-        return None
-    rng = jax.random.fold_in(ctx.select_rng, 2)
-    scores = rspc.uniform_noise(rng, ctx.example_ids, (_num_patches(ctx, images),))
-    draws = rspc.uniform_noise(jax.random.fold_in(rng, 1), ctx.example_ids, (2,))
-    fraction = rspc.ramped_fraction(s.learned_fraction, ctx.step, s.learned_fraction_ramp_steps)
-    return scores, draws, fraction, s.learned_batch_fraction
+def _patch_size(ctx: Context) -> int:
+    return rspc.corruption_patch_size(ctx.settings.rspc, ctx.model)
 
 
 def rspc_objective(
     ctx, params, corruption_params, mask_probe, batch_stats, images, noise_rng, rngs
 ):
-    """CE(clean) + lam * L_align (or lam * CE(occluded): `rspc.objective='ce'`), C ascending;
+    """CE(clean) + lam * L_align (or lam * CE(occluded): `rspc.objective='ce'`), the patches
+    chosen by `rspc.selection` (`rspc.draw_selection`), C ascending where it chooses them;
     with `rspc.corruption_diversity` C also ascends `rspc.diversity_loss` on its scores
     (aux['added_loss']: in the gradient only, and only C's)."""
-    s = ctx.settings
-    random_scores, sampling = _selection_draws(ctx, images)
+    s = ctx.settings.rspc
+    batch = rspc.SelectionBatch(
+        images=images,
+        example_ids=ctx.example_ids,
+        rng=ctx.select_rng,
+        step=ctx.step,
+        patch_size=_patch_size(ctx),
+        model=ctx.model,
+        params=params,
+        batch_stats=batch_stats,
+        compute_dtype=ctx.settings.compute_dtype,
+    )
+    draws = rspc.draw_selection(s, batch)
     value, aux = rspc.rspc_loss(
         params,
         corruption_params,
         batch_stats,
         images,
         ctx.targets,
-        _occlusion_noise(ctx, noise_rng, images),
+        rspc.occlusion_noise(s, noise_rng, ctx.example_ids, images),
         model=ctx.model,
         corruption_model=ctx.corruption_model,
         rho=s.rho,
         lam=s.lam,
         ste_clip=s.ste_clip,
-        grad_scale=s.corruption_grad_scale,
+        grad_scale=s.grad_scale,
         lower=s.clamp_lower,
         upper=s.clamp_upper,
         align_blocks=s.align_blocks,
-        random_scores=random_scores,
-        sampling=sampling,
-        mixing=_mixing(ctx, images),
-        compute_dtype=s.compute_dtype,
-        objective=s.rspc_objective,
+        random_scores=draws.scores,
+        sampling=draws.sampling,
+        mixing=draws.mixing,
+        patch_size=batch.patch_size,
+        compute_dtype=ctx.settings.compute_dtype,
+        objective=s.objective,
         drop_tokens=s.fill == "drop",
         rngs=rngs,
         mask_probe=mask_probe,
     )
-    if s.corruption_diversity > 0 and not s.random_selection:
+    if s.diversity > 0 and s.selection == "learned":
         scores = ctx.corruption_model.apply({"params": corruption_params}, images)
-        aux["added_loss"] = rspc.diversity_loss(scores, s.corruption_diversity)
+        aux["added_loss"] = rspc.diversity_loss(scores, s.diversity)
         aux["score_similarity"] = rspc.score_similarity(jax.lax.stop_gradient(scores))
     return value, aux
 
 
 def rspc_inputs(ctx: Context, corruption_params, images):
     """C's parameters and a zero probe added to its (B, N) mask."""
-    return corruption_params, jnp.zeros((images.shape[0], _num_patches(ctx, images)), jnp.float32)
+    size = _patch_size(ctx)
+    num_patches = (images.shape[1] // size) * (images.shape[2] // size)
+    return corruption_params, jnp.zeros((images.shape[0], num_patches), jnp.float32)
 
 
 def _chosen_masks(ctx: Context, images, keep):
     """C's masks, for the statistics of its selection over the global batch (and which
     patches hold the object, where the dataset says)."""
-    s = ctx.settings
+    s = ctx.settings.rspc
     chosen = {"occluded": (1 - keep).astype(jnp.int8)}
     if s.object_threshold is not None:
-        chosen["on_object"] = _object_patches(ctx, images)
+        chosen["on_object"] = rspc.on_object(s, images, _patch_size(ctx))
     return chosen
 
 
 def rspc_metrics(ctx: Context, images, aux, mask_probe_grad):
     """The term C ascends besides CE (L_align or CE on the occluded images), the occluded
     fraction, how often the STE clip saturates, and the align term's weight against CE."""
-    s = ctx.settings
+    s = ctx.settings.rspc
     metrics = {k: aux[k] for k in ("align", "occluded_ce", "score_similarity") if k in aux}
-    saturated = jnp.abs(mask_probe_grad * s.corruption_grad_scale) >= (s.ste_clip or jnp.inf)
+    saturated = jnp.abs(mask_probe_grad * s.grad_scale) >= (s.ste_clip or jnp.inf)
     metrics.update(
         occluded_fraction=1.0 - jnp.mean(aux["keep"]),
         ste_saturated_fraction=jnp.mean(saturated),
@@ -239,7 +205,7 @@ OBJECTIVES = {
 
 def name_of(settings) -> str:
     """The objective a run's StepSettings select."""
-    if settings.rspc_enabled:
+    if settings.rspc.enabled:
         return "rspc"
     return "plain" if settings.adversarial is None else "adversarial"
 
@@ -266,7 +232,7 @@ def with_patch_aug(loss: Callable, mode: str, key, aug_noise_rng) -> Callable:
     def augmented(ctx, params, corruption_params, mask_probe, batch_stats, images, noise_rng, rngs):
         s = ctx.settings
         aug_images = patch_aug.patch_augment(
-            key, images, ctx.model.patch_size, s.clamp_lower, s.clamp_upper
+            key, images, ctx.model.patch_size, s.rspc.clamp_lower, s.rspc.clamp_upper
         )
         aug_inputs = (params, corruption_params)
         if mode == "official":

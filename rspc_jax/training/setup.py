@@ -23,7 +23,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails on bad settings before anything is built or compiled: every field's range
     (checks.validate_config), then what needs the devices or files."""
     checks.validate_config(config)
-    _check_object_selection(config)
+    rspc.check_dataset(config.rspc, datasets.dataset_spec(config.dataset), config.dataset)
     parallel.check_batch_size(config.batch_size)
     per_device = config.batch_size // jax.device_count()
     if per_device % config.grad_accum_steps:
@@ -50,18 +50,6 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_object_selection(config) -> None:
-    """Random patches on the object need a dataset whose spec says which pixels are the object."""
-    if not (config.rspc.enabled and config.rspc.selection == "random_object"):
-        return
-    if datasets.dataset_spec(config.dataset).object_threshold is None:
-        raise ConfigError(
-            f"rspc.selection='random_object' occludes random patches of the object, but dataset "
-            f"{config.dataset!r} does not say which pixels are its object (its spec has no "
-            "object_threshold). Use it on the digits datasets, or use rspc.selection='random'."
-        )
-
-
 def _exists(path: str) -> bool:
     """tf.io.gfile also sees gs:// paths; TF loads here, not with the module, so that
     timing or planning a step never holds TF's host memory."""
@@ -77,19 +65,8 @@ def build_model(config, num_classes: int):
 
 def check_model_fits(config, model) -> None:
     """The image size divides into the model's and RSPC's patches; token dropping has a
-    model that supports it, with one RSPC patch per token."""
-    if config.rspc.enabled and config.rspc.fill == "drop":
-        if not getattr(model, "supports_token_dropping", False):
-            raise ConfigError(
-                f"config.rspc.fill='drop' removes tokens from the sequence, which {config.model_name} "
-                "cannot do (RVT, FAN and XCiT mix tokens with convolutions on the token grid); "
-                "use a ViT/DeiT model or fill='noise'/'zero'"
-            )
-        if rspc.corruption_patch_size(config.rspc, model) != model.patch_size:
-            raise ConfigError(
-                f"config.rspc.fill='drop' needs rspc.patch_size equal to the model's "
-                f"token size {model.patch_size}; leave rspc.patch_size at 0"
-            )
+    model that supports it, with one RSPC patch per token (`rspc.check_model`)."""
+    rspc.check_model(config.rspc, model, config.model_name)
     sizes = {"model patch_size": model.patch_size}
     if config.rspc.enabled:
         sizes["rspc.patch_size"] = rspc.corruption_patch_size(config.rspc, model)
@@ -104,10 +81,9 @@ def check_model_fits(config, model) -> None:
 def step_settings(
     config, spec: datasets.DatasetSpec, steps_per_epoch: int = 1
 ) -> train_step_lib.StepSettings:
-    """Resolves the RSPC (or adversarial-training) switches into the static numbers the
-    step needs; `steps_per_epoch` times the eps warm-up."""
-    r = config.rspc
-    noise_mean, noise_std, lower, upper = rspc.occlusion_fill(r, spec.mean, spec.std)
+    """Resolves the run's switches into the static numbers the step needs: RSPC's as
+    `rspc.settings_from_config` resolves them, adversarial training's; `steps_per_epoch`
+    turns the switches given in epochs into steps."""
     mix = config.mixup
     mixup = None
     if mix.mixup_alpha > 0 or mix.cutmix_alpha > 0:
@@ -119,36 +95,16 @@ def step_settings(
         )
     return train_step_lib.StepSettings(
         num_classes=spec.num_classes,
-        rspc_enabled=r.enabled,
-        rho=r.rho,
-        lam=r.lam,
-        ste_clip=1.0 if r.ste == "clip" else None,
-        corruption_grad_scale=r.corruption_grad_scale,
-        noise_mean=noise_mean,
-        noise_std=noise_std,
-        clamp_lower=lower,
-        clamp_upper=upper,
-        random_selection=r.selection != "learned",
-        align_blocks=tuple(r.align_blocks) or None,
+        rspc=rspc.settings_from_config(config, spec, steps_per_epoch),
         label_smoothing=config.label_smoothing,
         mixup=mixup,
         ema_decay=config.ema_decay,
         compute_dtype=compute_dtype(config),
         patch_aug=config.patch_aug,
-        rspc_objective=r.objective,
-        fill=r.fill,
         adversarial=adversarial_training.resolve(config, steps_per_epoch),
         pixel_mean=tuple(spec.mean),
         pixel_std=tuple(spec.std),
         grad_accum_steps=config.grad_accum_steps,
-        object_threshold=spec.object_threshold,
-        selection_temperature=rspc.selection_temperature(r),
-        mixed_masks=rspc.mixed_masks(r),
-        learned_fraction=float(r.learned_fraction),
-        learned_fraction_ramp_steps=round(r.learned_fraction_ramp_epochs * steps_per_epoch),
-        learned_batch_fraction=float(r.learned_batch_fraction),
-        corruption_diversity=float(r.corruption_diversity),
-        object_first=r.selection == "random_object",
     )
 
 
@@ -213,11 +169,7 @@ def _dropping_its_program(init: Callable) -> Callable:
 def build(config, model, spec, mesh, steps_per_epoch: int, total_steps: int) -> Parts:
     """Optimizers, state initialiser and the jitted sharded steps for `mesh`."""
     image_shape = (config.image_size, config.image_size, 3)
-    corruption_model = (
-        rspc.make_corruption_model(config.rspc, rspc.corruption_patch_size(config.rspc, model))
-        if config.rspc.enabled
-        else None
-    )
+    corruption_model = rspc.corruption_model_for(config.rspc, model)
     opt = config.optimizer
     schedule = optim.schedule_for_run(
         opt, batch_size=config.batch_size, steps_per_epoch=steps_per_epoch, total_steps=total_steps

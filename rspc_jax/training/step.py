@@ -55,38 +55,16 @@ class StepSettings:
     """Static settings of the step, resolved from the config once."""
 
     num_classes: int
-    rspc_enabled: bool
-    rho: float
-    lam: float
-    ste_clip: Any  # float or None (identity STE)
-    corruption_grad_scale: float
-    noise_mean: Any  # noise = (u - mean) / std; (0,)/(1,) = normalised-space noise
-    noise_std: Any
-    clamp_lower: Any  # None = no clamp
-    clamp_upper: Any
-    random_selection: bool  # random masks ('random' or 'random_object'), C never selects
-    align_blocks: Any  # None = all blocks
+    rspc: Any  # rspc.Settings: every RSPC switch, resolved by rspc.settings_from_config
     label_smoothing: float
     mixup: Any  # dict of mixup/cutmix settings, None = off
     ema_decay: float
     compute_dtype: Any = None  # None = float32; jnp.bfloat16 = bf16 forward, f32 params
     patch_aug: str = "off"  # RVT* patch-wise augmentation: 'off' | 'official' | 'intended'
-    rspc_objective: str = "align"  # 'align' (paper) | 'ce' (CE on the occluded images; ablation)
-    fill: str = "noise"  # occluded patches: 'noise' (eq. 1) | 'zero' | 'drop' (ablations)
     adversarial: Any = None  # adversarial_training.Settings; None = off
     pixel_mean: Any = None  # the dataset's normalisation (adversarial training's pixel space)
     pixel_std: Any = None
     grad_accum_steps: int = 1  # micro-batches per device batch, one optimizer update
-    object_threshold: Any = None  # pixels above it hold the object, where a dataset says so
-    # None: the official quantile rule; a temperature: C's masks by rspc.sampled_keep_mask.
-    selection_temperature: Any = None
-    # Mixed masks (rspc.mixed_keep_mask); off (C's masks whole) unless mixed_masks.
-    mixed_masks: bool = False
-    learned_fraction: float = 1.0
-    learned_fraction_ramp_steps: int = 0
-    learned_batch_fraction: float = 1.0
-    corruption_diversity: float = 0.0  # the weight of rspc.diversity_loss; 0 = official
-    object_first: bool = False  # random masks on the object's patches first ('random_object')
 
 
 def create_train_state(
@@ -420,7 +398,10 @@ def _per_device_train_step(
         grads,
         batch_stats,
         tx=tx,
-        corruption_tx=None if objective.extra_inputs is None else corruption_tx,
+        # C's optimizer runs where the objective differentiates a C that the run has.
+        corruption_tx=None
+        if objective.extra_inputs is None or corruption_model is None
+        else corruption_tx,
         ema_decay=settings.ema_decay,
         param_specs=param_specs,
     )

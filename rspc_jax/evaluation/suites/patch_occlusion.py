@@ -64,7 +64,7 @@ def _learned_outputs(ctx: Context, variables, batch, rng) -> dict:
     )
     if ctx.spec.object_threshold is not None:
         pixels = images * jnp.asarray(ctx.spec.std) + jnp.asarray(ctx.spec.mean)
-        out["on_object"] = selection.object_patches(
+        out["on_object"] = rspc.object_patches(
             pixels, ctx.patch_size, ctx.spec.object_threshold
         ).astype(jnp.int8)
     return out
