@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from rspc_jax.tools import memory_plan, tpu_compile
-from tests.conftest import run_python, smoke_config
+from tests.conftest import REPO, load_config, run_python, smoke_config
 
 pytestmark = pytest.mark.skipif(
     not tpu_compile.available(),
@@ -35,14 +35,16 @@ def test_rspc_step_compiles_data_parallel_and_fsdp_with_accumulation_single_and_
     config = smoke_config(str(tmp_path), grad_accum_steps=2)
     assert config.rspc.enabled
     single = tpu_compile.train_step(config, "v4-8", 8)
-    config.sharding = "fsdp"
+    # The demo's model, whose larger parameters FSDP shards (the smoke model's are all
+    # under parallel.FSDP_MIN_SIZE).
+    _, config = load_config(REPO / "configs" / "demo.py")
+    config.data_dir, config.grad_accum_steps, config.sharding = str(tmp_path), 2, "fsdp"
     multi = tpu_compile.train_step(config, "v5e-16", 8)
     for result in (single, multi):
         assert result.fits and not result.refusal
         assert 0 < result.bytes < 0.9 * 16 * 2**30
         assert result.analysis.temp_size_in_bytes > 0
 
-    # FSDP gathers each sharded parameter before use; data parallel only sums gradients.
     # The compiled programs take the state as laid out: replicated on every chip, or the
     # parameters and optimizer state sharded over the 16 chips (FSDP).
     def replicated(result):
