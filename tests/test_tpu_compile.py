@@ -4,7 +4,10 @@ data parallel and FSDP with gradient accumulation; a step it refuses is a "does 
 with its figure; the planner's micro-batch fits and the next multiple does not, by the TPU
 compiler. All at the demo's smoke model (a full-size step takes minutes)."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -92,3 +95,26 @@ def test_the_planner_s_micro_batch_fits_and_the_next_multiple_does_not(tmp_path)
     assert tpu_compile.train_step(plain, "v5e-8", 8, headroom).fits
     assert not tpu_compile.train_step(plain, "v5e-8", 16, headroom).fits
     assert row.accumulation == (8, 8)  # 64 images per chip in 8 micro-batches of 8
+
+
+def test_tools_on_a_host_without_a_tpu_run_on_the_cpu_without_libtpu_warnings():
+    # libtpu is installed (the test requirements) but this host has no TPU chip: without
+    # cli.skip_absent_tpu JAX starts libtpu, which warns about TPU_ACCELERATOR_TYPE.
+    script = (
+        "from rspc_jax.tools import cli\n"
+        "if {skip}: cli.skip_absent_tpu()\n"
+        "import jax, os\n"
+        "print(jax.default_backend(), os.environ.get('JAX_PLATFORMS'))\n"
+    )
+    unset = ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    results = {}
+    for skip in (False, True):
+        results[skip] = subprocess.run(
+            [sys.executable, "-c", script.format(skip=skip)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )
+    assert results[True].returncode == 0, results[True].stderr
+    assert results[True].stdout.split() == ["cpu", "cpu"]
+    assert "TPU_ACCELERATOR_TYPE" not in results[True].stderr
+    assert "TPU_ACCELERATOR_TYPE" in results[False].stderr  # what it spares every tool

@@ -6,6 +6,8 @@ imports JAX or TensorFlow, so bad flags and configs fail in a second."""
 import ast
 from collections.abc import Callable
 import dataclasses
+import glob
+import importlib.util
 import logging as std_logging
 import os
 import sys
@@ -168,6 +170,7 @@ def run(main: Callable[[list[str]], None]) -> None:
     def reported(argv):
         if _MALLOC.value == "tcmalloc":
             allocator.reexecute_with_tcmalloc()
+        skip_absent_tpu()
         if not _VERBOSE.value:
             _hide_orbax_leftovers()
         try:
@@ -178,6 +181,29 @@ def run(main: Callable[[list[str]], None]) -> None:
             _fail(str(error))
 
     app.run(reported, flags_parser=_parse_flags)
+
+
+# PCI vendor of Google's TPU chips (/sys/bus/pci/devices/*/vendor on a TPU VM).
+_TPU_VENDOR = "0x1ae0"
+
+
+def skip_absent_tpu() -> None:
+    """Runs JAX on the CPU where libtpu is installed (the test requirements bring it, for
+    the TPU compiler) but the host has no TPU chip and no other PJRT plugin (a GPU's
+    `jax_plugins`): otherwise JAX starts libtpu first, which prints warnings about
+    TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES into every tool's output and takes
+    libtpu's one-per-machine lock. An explicit JAX_PLATFORMS is kept."""
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if importlib.util.find_spec("jax_plugins") is not None:
+        return
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        with open(vendor) as f:
+            if f.read().strip() == _TPU_VENDOR:
+                return
+    os.environ["JAX_PLATFORMS"] = "cpu"  # for this process's JAX and the tools it starts
+    if "jax" in sys.modules:
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
