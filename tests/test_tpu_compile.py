@@ -112,7 +112,11 @@ def test_tools_on_a_host_without_a_tpu_run_on_the_cpu_without_libtpu_warnings():
     for skip in (False, True):
         results[skip] = subprocess.run(
             [sys.executable, "-c", script.format(skip=skip)],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     assert results[True].returncode == 0, results[True].stderr
     assert results[True].stdout.split() == ["cpu", "cpu"]
