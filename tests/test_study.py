@@ -451,3 +451,19 @@ def test_a_run_s_row_gives_its_training_masks_share_on_the_object():
     )
     row = study_runner.summarise(record)
     assert row["on object, training"] == pytest.approx(0.7) and row["on object, last log"] == 0.9
+
+
+def test_a_run_stopped_by_a_signal_stops_the_study_unrecorded(tmp_path, monkeypatch):
+    """SIGTERM or Ctrl-C ends training at a saved step; the study must neither evaluate nor
+    record that run as finished (a rerun resumes it), nor go on to the next run."""
+    from rspc_jax import ReportedError
+    from rspc_jax.evaluation import run_suites
+    from rspc_jax.training import loop
+
+    stopped = dict(state=None, step=120, total_steps=270)
+    monkeypatch.setattr(loop, "train_and_evaluate", lambda *a, **k: stopped)
+    evaluated = []
+    monkeypatch.setattr(run_suites, "run_suites", lambda *a, **k: evaluated.append(1) or {})
+    with pytest.raises(ReportedError, match="step 120 of 270"):
+        study_runner.run_one(_smoke_config(str(tmp_path)), str(tmp_path / "run"))
+    assert not evaluated and not (tmp_path / "run" / "study_run.json").exists()

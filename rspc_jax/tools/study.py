@@ -30,6 +30,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from rspc_jax import ReportedError
 from rspc_jax.interop import run_record
 from rspc_jax.training import reporting
 
@@ -155,7 +156,14 @@ def run_one(config, workdir: str, reevaluate=(), accept_config_change: bool = Fa
         with open(record_path) as f:
             return _evaluate_again(config, workdir, json.load(f), reevaluate)
     start = time.time()
-    train.train_and_evaluate(config, workdir, accept_config_change=accept_config_change)
+    done = train.train_and_evaluate(config, workdir, accept_config_change=accept_config_change)
+    if done["step"] < done["total_steps"]:
+        raise ReportedError(
+            f"the study stopped (SIGTERM or Ctrl-C) in the run {workdir} at step {done['step']} "
+            f"of {done['total_steps']}: its checkpoint is saved, and it is neither evaluated nor "
+            "recorded as finished. Rerun the same command to resume it and the study where they "
+            "stopped."
+        )
     trained = time.time()
     results = evaluation_run.run_suites(config, workdir=workdir, out=os.path.join(workdir, "eval"))
     train_log = [
