@@ -414,7 +414,10 @@ def test_attention16_adds_both_attention_selections_to_the_object16_runs():
     assert {"adaptive_occlusion", "corrupted_local"} <= set(config.evaluation.suites.split(","))
     for name, spec in config.study.settings.items():
         added = set(spec.methods) - set(earlier.study.settings[name].methods)
-        assert added == {"attended_patches lam=0.5", "random_attended_patches lam=0.5"}
+        assert added == {
+            "attended_patches lam=0.5",
+            "random_attended_patches lam=0.5 attended_pool=4.0",  # the validation's choice
+        }
         run = study_runner.run_config(config, name, "attended_patches lam=0.5", seed=0)
         assert (run.rspc.selection, run.rspc.lam) == ("attended", 0.5)
         pools = [
