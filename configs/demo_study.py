@@ -411,8 +411,8 @@ def _payoff_object16(c) -> None:
 # paired SE of 'greedy, 1 patch' against random patches stays above 1 point at 16 seeds, seeds
 # are added one a part, in order, as `:payoff_adaptive16` did (it needed 32); the report covers
 # the seeds finished. The four earlier methods were to reuse `:payoff_object16`'s run
-# directories; those are gone, so all six are trained in runs/attention16 (2026-12-07: the two
-# settings run side by side, `--settings`; seed 0 done, seeds 1-15 to come).
+# directories; those are gone, so all six are trained in runs/attention16 (progress:
+# docs/study/findings.md).
 _ATTENDED = "attended_patches lam=0.5"
 _POOLS = (1.5, 2.0, 3.0, 4.0)
 # The validation's choice by the rule above (docs/study/attention16_validation/results.md, seeds
